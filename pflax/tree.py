@@ -1,0 +1,29 @@
+"""Stacked-pytree plumbing: leaves with a leading client axis M."""
+
+from pflax._src.tree import broadcast
+from pflax._src.tree import combine
+from pflax._src.tree import concat
+from pflax._src.tree import cosine_similarity
+from pflax._src.tree import finite_clients
+from pflax._src.tree import mix
+from pflax._src.tree import num_clients
+from pflax._src.tree import partition
+from pflax._src.tree import stack
+from pflax._src.tree import under
+from pflax._src.tree import unstack
+from pflax._src.tree import weighted_mean
+
+__all__ = (
+    "broadcast",
+    "combine",
+    "concat",
+    "cosine_similarity",
+    "finite_clients",
+    "mix",
+    "num_clients",
+    "partition",
+    "stack",
+    "under",
+    "unstack",
+    "weighted_mean",
+)
