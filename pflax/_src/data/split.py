@@ -1,0 +1,73 @@
+"""Per-client stratified train/test split."""
+
+import numpy as np
+import numpy.typing as npt
+
+from pflax._src.data import _validation
+from pflax._src.data import partition as partition_lib
+
+
+def _num_test(class_sizes: np.ndarray, test_fraction: float) -> np.ndarray:
+  """`round(f n)` test samples per class, clipped to `[1, n - 1]` when `n >= 2`;
+  a class with a single sample keeps it for training."""
+  rounded = np.floor(test_fraction * class_sizes + 0.5).astype(np.int64)
+  return np.where(class_sizes >= 2, np.clip(rounded, 1, class_sizes - 1), 0)
+
+
+def train_test_split(
+    partition: partition_lib.Partition,
+    labels: npt.ArrayLike,
+    *,
+    test_fraction: float = 0.25,
+    seed: int = 0,
+) -> tuple[partition_lib.Partition, partition_lib.Partition]:
+  """Splits every client's samples into train and test, stratified by class.
+
+  For each client and class with `n` samples, `round(test_fraction * n)` random
+  samples go to the test side, clipped to `[1, n - 1]` so both sides see every
+  class with at least two samples; a class with one sample stays in training.
+  Train and test therefore have (up to rounding) the same class mix.
+
+  Args:
+    partition: the clients' samples, e.g. from `dirichlet` or `pathological`.
+    labels: class label of every sample, shape `(N,)`, the labels the partition
+      was built from.
+    test_fraction: share of each class that goes to the test side, in `(0, 1)`.
+    seed: seed of `np.random.default_rng`.
+
+  Returns:
+    `(train, test)` partitions over the same `M` clients and `K` classes; their
+    indices are disjoint and together equal `partition.indices`.
+
+  Example:
+    >>> labels = np.repeat(np.arange(10), 100)
+    >>> train, test = train_test_split(pathological(labels, 10, 1), labels)
+    >>> int(train.counts.sum()), int(test.counts.sum())
+    (750, 250)
+
+  References:
+    Lee and Choi, "Class-Wise Federated Averaging for Efficient Personalization"
+    (cwFedAvg), Sec. 5: each client's data is split 75% / 25%.
+  """
+  counts = np.asarray(partition.counts)
+  if counts.ndim != 2 or counts.shape[1] < 1 or counts.shape[0] != len(
+      partition.indices):
+    raise ValueError(
+        "partition must hold M index arrays and counts of shape (M, K) with K >= 1, "
+        f"got {len(partition.indices)} arrays and counts of shape {counts.shape}.")
+  labels, num_classes = _validation.labels(labels, counts.shape[1])
+  _validation.fraction(test_fraction, "test_fraction", open_interval=True)
+  indices = _validation.indices(partition.indices, len(labels), "partition.indices")
+  rng = np.random.default_rng(seed)
+  train, test = [], []
+  for idx in indices:
+    client_labels = labels[idx]
+    num_test = _num_test(np.bincount(client_labels, minlength=num_classes),
+                         test_fraction)
+    chosen = [rng.permutation(idx[client_labels == k])[:num_test[k]]
+              for k in range(num_classes)]
+    test_idx = np.concatenate(chosen)
+    test.append(test_idx)
+    train.append(np.setdiff1d(idx, test_idx))
+  return (partition_lib.make_partition(labels, train, num_classes),
+          partition_lib.make_partition(labels, test, num_classes))
