@@ -82,7 +82,8 @@ def mix_factored_leaf(left: chex.Array, right: chex.Array,
   (o, r), m = left.shape, right.shape[1]
   n = int(np.prod(leaf.shape[1:], dtype=np.int64))
   if (r * m + o * r) * n < o * r * m + o * m * n:
-    return mix_leaf(left, mix_leaf(right, leaf))
+    inner = mix_leaf(right, leaf.astype(accumulation_dtype(leaf.dtype)))
+    return mix_leaf(left, inner).astype(leaf.dtype)  # no rounding in between
   return mix_leaf(jnp.matmul(left, right, precision=_HIGHEST), leaf)
 
 
@@ -147,8 +148,13 @@ def gram(stacked: types.Stacked) -> chex.Array:
 
 
 def cosine_from_gram(g: chex.Array, eps: float = 1e-12) -> chex.Array:
-  """Cosines from a Gram matrix; pairs involving a zero vector get cosine 0."""
-  norms = jnp.sqrt(jnp.maximum(jnp.diagonal(g), 0.0))
+  """Cosines from a Gram matrix; pairs involving a zero vector get cosine 0.
+
+  The square root is guarded so a zero vector has a finite (zero) gradient.
+  """
+  sq = jnp.diagonal(g)
+  positive = sq > 0
+  norms = jnp.where(positive, jnp.sqrt(jnp.where(positive, sq, 1.0)), 0.0)
   denom = norms[:, None] * norms[None, :]
   safe = denom > eps
   return jnp.where(safe, g / jnp.where(safe, denom, 1.0), 0.0)
