@@ -272,14 +272,15 @@ def test_heterogeneous_family_shapes(size):
 
 
 @pytest.mark.parametrize(
-    "input_shape, padding",
-    [((8, 8, 1), "SAME"), ((15, 15, 1), "SAME"), ((16, 16, 1), "VALID"),
-     ((28, 28, 1), "VALID"), ((32, 32, 3), "VALID")],
+    "input_shape, padding, kernel_size",
+    [((8, 8, 1), "SAME", 3), ((15, 15, 1), "SAME", 3), ((16, 16, 1), "VALID", 5),
+     ((28, 28, 1), "VALID", 5), ((32, 32, 3), "VALID", 5)],
 )
-def test_get_model_cnn_padding(input_shape, padding):
+def test_get_model_cnn_padding(input_shape, padding, kernel_size):
   model = models.get_model("cnn", 10, input_shape)
   assert isinstance(model, models.CNN)
   assert model.padding == padding
+  assert model.kernel_size == kernel_size
   assert _output_shapes(model, input_shape)[0] == (2, 10)
 
 

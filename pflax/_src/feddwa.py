@@ -37,8 +37,7 @@ def mixing_weights(similarity: chex.Array, alpha: chex.Numeric,
 
 def update_similarity(params: types.Stacked, received: types.Stacked) -> chex.Array:
   """Cosines `s_ij = cos(d_i, d_j)` of the updates `d_i = w_i - w_{g,i}` (Eq. 3)."""
-  updates = jax.tree.map(jnp.subtract, params, received)
-  return tree_lib.cosine_from_gram(tree_lib.gram(updates))
+  return tree_lib.cosine_from_gram(tree_lib.gram(params, received))
 
 
 def feddwa(params: types.Stacked, received: types.Stacked, *,

@@ -248,12 +248,14 @@ def heterogeneous_family(
   member while all other parameters differ. Members, all using SAME padding
   (so they also fit 8x8 inputs):
 
-  * small: 2 convs 5x5 with 16, 32 channels;
+  * small: 2 convs 3x3 with 16, 32 channels;
   * wide: 2 convs 3x3 with 64, 64 channels;
   * deep: 3 convs 3x3 with 32, 64, 128 channels;
   * mlp: one dense layer of width 256.
 
-  Assign them to clients cyclically, e.g. ``family[i % len(family)]``.
+  Assign them to clients cyclically, e.g. ``family[i % len(family)]``. All
+  convolutions are 3x3: on XLA-CPU a 5x5 SAME convolution over a 4x4 map is
+  about 50x slower than a 3x3 one.
 
   Args:
     num_classes: number of classes ``K``.
@@ -283,7 +285,8 @@ def heterogeneous_family(
   """
   d = representation_dim
   return (
-      CNN(num_classes, channels=(16, 32), hidden=d, padding="SAME"),
+      CNN(num_classes, channels=(16, 32), hidden=d, kernel_size=3,
+          padding="SAME"),
       CNN(num_classes, channels=(64, 64), hidden=d, kernel_size=3,
           padding="SAME"),
       CNN(num_classes, channels=(32, 64, 128), hidden=d, kernel_size=3,
@@ -390,8 +393,11 @@ def get_model(
   """Returns a model by name, adapted to the input shape.
 
   Args:
-    name: ``"cnn"`` (:class:`CNN`; VALID padding when the image is large
-      enough, otherwise SAME, e.g. for 8x8 digits) or ``"mlp"``
+    name: ``"cnn"`` (:class:`CNN`; the paper's 5x5 VALID convolutions when
+      the image is large enough, otherwise 3x3 SAME convolutions, e.g. for
+      8x8 digits: on XLA-CPU a 5x5 SAME convolution over a 4x4 map measured
+      13.6 ms against 0.25 ms for 3x3, a 50x slower training step) or
+      ``"mlp"``
       (:class:`MLP`).
     num_classes: number of classes ``K``.
     input_shape: shape of one example without the batch axis, ``(H, W, C)``.
@@ -410,7 +416,7 @@ def get_model(
     model = CNN(num_classes)
     if _fits_valid_cnn(model, input_shape):
       return model
-    return CNN(num_classes, padding="SAME")
+    return CNN(num_classes, kernel_size=3, padding="SAME")
   if name == "mlp":
     return MLP(num_classes)
   raise ValueError(f"get_model: unknown name {name!r}; expected 'cnn' or 'mlp'.")

@@ -18,6 +18,7 @@ from pflax._src import checks
 from pflax._src import types
 
 _HIGHEST = jax.lax.Precision.HIGHEST
+_GRAM_BLOCK = 4096
 
 
 def stack(trees: Sequence[types.Tree]) -> types.Stacked:
@@ -136,14 +137,43 @@ def weighted_mean(stacked: types.Stacked,
   return jax.tree.map(lambda x: mix_leaf(row, x)[0], stacked)
 
 
-def _flat(leaf: chex.Array) -> chex.Array:
-  return leaf.reshape(leaf.shape[0], -1).astype(accumulation_dtype(leaf.dtype))
+def _gram_leaf(x: chex.Array, offset: chex.Array | None) -> chex.Array:
+  """`d d^T` of one leaf, `d = x - offset` flattened to `(M, n)`, block by block.
+
+  Blocks of `_GRAM_BLOCK` positions: the difference is never materialised, and
+  on XLA-CPU many cache-sized dots run about twice as fast as one long one.
+  """
+  m = x.shape[0]
+  x = jnp.reshape(x, (m, -1))
+  offset = None if offset is None else jnp.reshape(offset, (m, -1))
+
+  def block(start: Any, size: int) -> chex.Array:
+    d = jax.lax.dynamic_slice_in_dim(x, start, size, 1)
+    if offset is not None:
+      d = d - jax.lax.dynamic_slice_in_dim(offset, start, size, 1)
+    d = d.astype(accumulation_dtype(d.dtype))
+    return jax.lax.dot_general(d, d, (((1,), (1,)), ((), ())), precision=_HIGHEST)
+
+  count, rest = divmod(x.shape[1], _GRAM_BLOCK)
+  g = jnp.zeros((m, m), accumulation_dtype(
+      x.dtype if offset is None else jnp.result_type(x, offset)))
+  if count:
+    g = jax.lax.fori_loop(0, count,
+                          lambda i, g: g + block(i * _GRAM_BLOCK, _GRAM_BLOCK), g)
+  if rest:
+    g = g + block(count * _GRAM_BLOCK, rest)
+  return g
 
 
-def gram(stacked: types.Stacked) -> chex.Array:
-  """`(M, M)` inner products of clients' flattened parameters, leaf by leaf."""
-  grams = [jnp.matmul(x, x.T, precision=_HIGHEST)
-           for x in map(_flat, jax.tree.leaves(stacked))]
+def gram(stacked: types.Stacked, offset: types.Stacked | None = None) -> chex.Array:
+  """`(M, M)` inner products of clients' flattened `stacked - offset`, leaf by leaf.
+
+  `offset` (same structure, or None for zero) is subtracted block by block, so
+  e.g. the Gram of model updates never materialises the updates.
+  """
+  offsets = ([None] * len(jax.tree.leaves(stacked)) if offset is None
+             else jax.tree.leaves(offset))
+  grams = [_gram_leaf(x, o) for x, o in zip(jax.tree.leaves(stacked), offsets)]
   return sum(grams[1:], grams[0])
 
 

@@ -1,0 +1,8 @@
+"""`python -m pflax`: the same as `pflax-run`."""
+
+import sys
+
+from pflax._src.cli import main
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,150 @@
+"""`pflax-run`: run algorithms on a federated dataset, write results and plots."""
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from pflax._src import algorithms as algos
+from pflax._src import plots
+from pflax._src import simulate
+
+
+def _parser() -> argparse.ArgumentParser:
+  defaults = simulate.ExperimentConfig()
+  hp = defaults.hp
+  p = argparse.ArgumentParser(
+      prog="pflax-run",
+      description="Personalized federated learning experiments with pflax. With no "
+                  "arguments: all eight algorithms on the offline digits dataset.")
+  p.add_argument("--algorithms", nargs="+", default=list(algos.NAMES),
+                 choices=algos.NAMES, metavar="NAME",
+                 help=f"any of {' '.join(algos.NAMES)} (default: all)")
+  p.add_argument("--dataset", default=defaults.dataset,
+                 help="'digits' (offline, default) or a prepared TFDS name: mnist, "
+                      "fashion_mnist, cifar10, cifar100, emnist/letters")
+  p.add_argument("--data-dir", default=None, help="TFDS data directory")
+  p.add_argument("--partition", default=defaults.partition,
+                 choices=simulate.PARTITIONS)
+  p.add_argument("--classes-per-client", type=int, default=defaults.classes_per_client)
+  p.add_argument("--dirichlet-alpha", type=float, default=defaults.dirichlet_alpha)
+  p.add_argument("--iid-fraction", type=float, default=defaults.iid_fraction,
+                 help="FedReMa's s for --partition groups")
+  p.add_argument("--clients", type=int, default=defaults.clients)
+  p.add_argument("--participation", type=float, default=defaults.participation)
+  p.add_argument("--rounds", type=int, default=defaults.rounds)
+  p.add_argument("--eval-every", type=int, default=defaults.eval_every)
+  p.add_argument("--local-epochs", type=int, default=hp.local_epochs)
+  p.add_argument("--batch-size", type=int, default=hp.batch_size)
+  p.add_argument("--lr", type=float, default=hp.lr)
+  p.add_argument("--optimizer", default=hp.optimizer, choices=("sgd", "adam"))
+  p.add_argument("--momentum", type=float, default=hp.momentum)
+  p.add_argument("--grad-clip", type=float, default=hp.grad_clip,
+                 help="clip each local gradient to this global norm (default: none)")
+  p.add_argument("--model", default=defaults.model, choices=("auto", "cnn", "mlp"),
+                 help="auto: the CNN for images of 16+ pixels, the MLP for digits")
+  p.add_argument("--heterogeneous", action="store_true",
+                 help="fedclassavg only: clients use four different architectures")
+  p.add_argument("--strategy", default=defaults.strategy,
+                 choices=("auto", "vmap", "loop", "map"),
+                 help="how clients are mapped in local training")
+  p.add_argument("--seeds", type=int, nargs="+", default=[0])
+  p.add_argument("--out", default="runs/latest", help="output directory")
+  p.add_argument("--checkpoint-every", type=int, default=0,
+                 help="save a checkpoint every N rounds (0: never)")
+  p.add_argument("--resume", action="store_true",
+                 help="continue from the checkpoints in --out")
+  p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+  return p
+
+
+def config_from_args(args: argparse.Namespace) -> simulate.ExperimentConfig:
+  """The experiment configuration named by command-line arguments."""
+  hp = dataclasses.replace(algos.Hyperparameters(), lr=args.lr,
+                           batch_size=args.batch_size,
+                           local_epochs=args.local_epochs, optimizer=args.optimizer,
+                           momentum=args.momentum, grad_clip=args.grad_clip)
+  return simulate.ExperimentConfig(
+      dataset=args.dataset, data_dir=args.data_dir, partition=args.partition,
+      clients=args.clients, classes_per_client=args.classes_per_client,
+      dirichlet_alpha=args.dirichlet_alpha, iid_fraction=args.iid_fraction,
+      participation=args.participation, rounds=args.rounds,
+      eval_every=args.eval_every, model=args.model, heterogeneous=args.heterogeneous,
+      strategy=args.strategy, hp=hp)
+
+
+def _progress(total: int, label: str, enabled: bool) -> Any:
+  from tqdm import tqdm  # pylint: disable=import-outside-toplevel
+  return tqdm(total=total, desc=label, disable=not enabled, leave=False,
+              file=sys.stderr, dynamic_ncols=True)
+
+
+def _table(runs: list[dict[str, Any]]) -> str:
+  """Markdown table of mean (± std over seeds) accuracies per algorithm."""
+  lines = ["| algorithm | personalized best | personalized final | global final |",
+           "|---|---|---|---|"]
+  for name in dict.fromkeys(r["algorithm"] for r in runs):
+    rs = [r for r in runs if r["algorithm"] == name]
+    fmt = lambda v: f"{100 * np.mean(v):.2f} ± {100 * np.std(v):.2f}"
+    pb = fmt([r["personalized_accuracy"]["best"] for r in rs])
+    pf = fmt([r["personalized_accuracy"]["final"] for r in rs])
+    g = ([r["global_accuracy"]["final"] for r in rs] if rs[0]["global_accuracy"]
+         else None)
+    lines.append(f"| {name} | {pb} | {pf} | {fmt(g) if g else '—'} |")
+  return "\n".join(lines)
+
+
+def _config_dict(config: simulate.ExperimentConfig, args: argparse.Namespace
+                 ) -> dict[str, Any]:
+  out = dataclasses.asdict(config)
+  out["algorithms"] = list(args.algorithms)
+  out["seeds"] = list(args.seeds)
+  return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Entry point of `pflax-run` and `python -m pflax`."""
+  args = _parser().parse_args(argv)
+  # Compiling threefry sampling of multi-dimensional shapes (every model init)
+  # takes ~10 s per shape on XLA-CPU with partitionable threefry; the classic
+  # scheme compiles in under a second. Runs stay seeded and reproducible.
+  jax.config.update("jax_threefry_partitionable", False)
+  config = config_from_args(args)
+  os.makedirs(args.out, exist_ok=True)
+  runs, counts = [], None
+  for seed in args.seeds:
+    setup = simulate.prepare(config, seed)
+    counts = np.asarray(setup.federation.counts) if counts is None else counts
+    for name in args.algorithms:
+      bar = _progress(config.rounds, f"{name} seed {seed}", not args.no_progress)
+
+      def on_round(record, bar=bar):
+        if "personalized_accuracy" in record:
+          bar.set_postfix(acc=f"{record['personalized_accuracy']:.3f}",
+                          loss=f"{record['train_loss']:.3f}")
+        bar.update(1)
+
+      run = simulate.run(name, config, seed, setup=setup, on_round=on_round,
+                         checkpoint_dir=args.out if args.checkpoint_every or args.resume
+                         else None,
+                         checkpoint_every=args.checkpoint_every, resume=args.resume)
+      bar.close()
+      runs.append(run)
+      print(f"{name:12s} seed {seed}: personalized best "
+            f"{run['personalized_accuracy']['best']:.4f} final "
+            f"{run['personalized_accuracy']['final']:.4f} ({run['seconds']:.1f} s)",
+            flush=True)
+  results = {"config": _config_dict(config, args), "class_counts": counts.tolist(),
+             "runs": runs}
+  with open(os.path.join(args.out, "results.json"), "w") as f:
+    json.dump(results, f, indent=1)
+  written = plots.write_all(results, args.out)
+  print(_table(runs))
+  print(f"wrote {os.path.join(args.out, 'results.json')} and {', '.join(written)}")
+  return 0

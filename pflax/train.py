@@ -1,0 +1,27 @@
+"""Local training of all clients of a round in one compiled program."""
+
+from pflax._src.train import Batch
+from pflax._src.train import ClientResult
+from pflax._src.train import STRATEGIES
+from pflax._src.train import batch_schedule
+from pflax._src.train import default_strategy
+from pflax._src.train import epoch_order
+from pflax._src.train import evaluate_client
+from pflax._src.train import init_opt_state
+from pflax._src.train import make_trainer
+from pflax._src.train import map_clients
+from pflax._src.train import train_client
+
+__all__ = (
+    "Batch",
+    "ClientResult",
+    "STRATEGIES",
+    "batch_schedule",
+    "default_strategy",
+    "epoch_order",
+    "evaluate_client",
+    "init_opt_state",
+    "make_trainer",
+    "map_clients",
+    "train_client",
+)

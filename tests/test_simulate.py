@@ -1,0 +1,187 @@
+"""End-to-end simulation: all algorithms, determinism, resume, faulty clients, CLI."""
+
+import dataclasses
+import json
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pflax import algorithms
+from pflax import simulate
+from pflax._src import cli
+
+CONFIG = simulate.ExperimentConfig(
+    clients=6, rounds=3, model="mlp", eval_every=1,
+    hp=algorithms.Hyperparameters(local_epochs=1))
+
+
+@pytest.fixture(scope="module")
+def setup():
+  return simulate.prepare(CONFIG, seed=0)
+
+
+def _without_time(record):
+  return {k: v for k, v in record.items() if k != "seconds"}
+
+
+@pytest.mark.parametrize("name", algorithms.NAMES)
+def test_every_algorithm_runs_and_reports(setup, name):
+  record = simulate.run(name, CONFIG, 0, setup=setup)
+  assert record["algorithm"] == name and record["seed"] == 0
+  assert [h["round"] for h in record["history"]] == [1, 2, 3]
+  for h in record["history"]:
+    assert 0.0 <= h["personalized_accuracy"] <= 1.0
+    assert np.isfinite(h["train_loss"])
+    assert h["dropped_clients"] == []
+  acc = record["personalized_accuracy"]
+  assert acc["best"] >= acc["final"] - 1e-12
+  has_global = name in ("fedavg", "fedprox", "fedsa", "feddwa")
+  assert (record["global_accuracy"] is not None) == has_global
+  assert np.asarray(record["output_norms"]).shape == (6, 10)
+
+
+def test_training_improves_over_chance(setup):
+  config = dataclasses.replace(CONFIG, rounds=8)
+  record = simulate.run("local", config, 0, setup=setup)
+  assert record["personalized_accuracy"]["best"] > 0.5  # 2 classes per client
+
+
+def test_same_seed_same_results_and_no_recompilation(setup, caplog):
+  compiles_after_round_2 = []
+
+  def on_round(record):
+    if record["round"] >= 2:
+      compiles_after_round_2.extend(
+          r for r in caplog.records if "Compiling" in r.getMessage())
+    caplog.clear()
+
+  with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+    first = simulate.run("fedrema", CONFIG, 1, setup=setup, on_round=on_round)
+  assert not compiles_after_round_2, [r.getMessage()[:120] for r in
+                                      compiles_after_round_2]
+  second = simulate.run("fedrema", CONFIG, 1, setup=setup)
+  assert _without_time(first) == _without_time(second)
+  other = simulate.run("fedrema", CONFIG, 2, setup=setup)
+  assert _without_time(first) != _without_time(other)
+
+
+class _Killed(Exception):
+  pass
+
+
+@pytest.mark.parametrize("name", ["cwfedavg", "fedrema"])
+def test_resume_after_kill_equals_uninterrupted(setup, tmp_path, name):
+  config = dataclasses.replace(CONFIG, rounds=4)
+  uninterrupted = simulate.run(name, config, 0, setup=setup)
+
+  def kill_at_round_3(record):
+    if record["round"] == 3:
+      raise _Killed
+
+  with pytest.raises(_Killed):
+    simulate.run(name, config, 0, setup=setup, on_round=kill_at_round_3,
+                 checkpoint_dir=str(tmp_path), checkpoint_every=2)
+  resumed = simulate.run(name, config, 0, setup=setup,
+                         checkpoint_dir=str(tmp_path), resume=True)
+  assert _without_time(resumed) == _without_time(uninterrupted)
+
+
+def test_non_finite_client_is_dropped_and_others_continue(setup):
+  fed = setup.federation
+  poisoned = fed._replace(x=fed.x.at[2].set(jnp.nan))
+  bad = dataclasses.replace(setup, federation=poisoned)
+  record = simulate.run("fedavg", CONFIG, 0, setup=bad)
+  assert all(h["dropped_clients"] == [2] for h in record["history"])
+  assert all(np.isfinite(h["personalized_accuracy"]) for h in record["history"])
+  assert record["personalized_accuracy"]["best"] > 0.0
+
+
+def test_partial_participation_samples_a_fixed_number():
+  chosen = [simulate.participants(jax.random.PRNGKey(s), 10, 0.3) for s in range(5)]
+  assert all(c.shape == (3,) for c in chosen)
+  assert all(np.all(np.diff(np.asarray(c)) > 0) for c in chosen)
+  assert len({tuple(np.asarray(c)) for c in chosen}) > 1
+
+
+def test_partial_participation_leaves_absent_clients_unchanged(setup):
+  model = setup.model
+  hp = CONFIG.hp
+  algo = algorithms.get_algorithm("local", model, hp, setup.input_shape)
+  from pflax import models, train  # pylint: disable=import-outside-toplevel
+  params = models.init_stacked(model, jax.random.PRNGKey(0), setup.federation.x[0, :1],
+                               6)
+  state = algo.init(params, setup.federation, jax.random.PRNGKey(0))
+  trainer = train.make_trainer(algo.loss, algo.optimizer, epochs=1,
+                               batch_size=hp.batch_size, strategy="loop")
+  chosen = jnp.array([1, 4])
+  trained, _, losses = algorithms.client_update(algo, trainer, state, None,
+                                                setup.federation, chosen,
+                                                jax.random.PRNGKey(1))
+  for i in range(6):
+    moved = not np.allclose(trained["classifier"]["output"]["kernel"][i],
+                            params["classifier"]["output"]["kernel"][i])
+    assert moved == (i in (1, 4))
+    assert (losses[i] > 0) == (i in (1, 4))
+
+
+def test_cli_writes_results_and_plots(tmp_path):
+  out = str(tmp_path / "run")
+  code = cli.main(["--algorithms", "fedavg", "local", "--clients", "6", "--rounds", "2",
+                   "--model", "mlp", "--out", out, "--no-progress"])
+  assert code == 0
+  with open(os.path.join(out, "results.json")) as f:
+    results = json.load(f)
+  assert results["config"]["clients"] == 6
+  assert [r["algorithm"] for r in results["runs"]] == ["fedavg", "local"]
+  for run in results["runs"]:
+    assert set(run) >= {"algorithm", "seed", "personalized_accuracy", "global_accuracy",
+                        "history", "seconds"}
+    assert set(run["history"][0]) >= {"round", "personalized_accuracy", "train_loss"}
+  for name in ("accuracy.png", "output_norms.png"):
+    with open(os.path.join(out, name), "rb") as f:
+      assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_heterogeneous_fedclassavg_shares_only_the_classifier(setup):
+  config = dataclasses.replace(CONFIG, clients=8, rounds=2, heterogeneous=True)
+  het_setup = simulate.prepare(config, 0)
+  record = simulate.run("fedclassavg", config, 0, setup=het_setup)
+  assert all(h["dropped_clients"] == [] for h in record["history"])
+  assert 0.0 <= record["personalized_accuracy"]["best"] <= 1.0
+  norms = np.asarray(record["output_norms"])
+  # Every client ends with the same (global) classifier: identical norms.
+  np.testing.assert_allclose(norms, np.broadcast_to(norms[0], norms.shape), rtol=1e-5)
+
+
+def test_heterogeneous_needs_fedclassavg(setup):
+  config = dataclasses.replace(CONFIG, heterogeneous=True)
+  with pytest.raises(ValueError, match="fedclassavg"):
+    simulate.run("fedavg", config, 0, setup=setup)
+
+
+def test_joint_update_averages_classifiers_across_architectures():
+  rng = np.random.default_rng(0)
+  def group(m, width):
+    return {"features": {"w": jnp.asarray(rng.normal(size=(m, width)))},
+            "classifier": {"output": {"kernel": jnp.asarray(rng.normal(size=(m, 4, 3))),
+                                      "bias": jnp.asarray(rng.normal(size=(m, 3)))}}}
+  trained = [group(2, 5), group(3, 7)]
+  states = [{"params": group(2, 5), "n": jnp.array([1.0, 2.0]), "head": None},
+            {"params": group(3, 7), "n": jnp.array([3.0, 4.0, 5.0]), "head": None}]
+  masks = [jnp.array([True, True]), jnp.array([True, False, True])]
+  new = algorithms.fedclassavg_joint_update(states, trained, masks)
+  kernels = np.concatenate([t["classifier"]["output"]["kernel"] for t in trained])
+  weights = np.array([1.0, 2.0, 3.0, 0.0, 5.0])
+  expected = np.tensordot(weights / weights.sum(), kernels, 1)
+  for g in range(2):
+    np.testing.assert_allclose(new[g]["head"]["kernel"], expected, rtol=1e-5)
+  # Trained features are kept for participants, the masked client keeps its own.
+  np.testing.assert_array_equal(new[0]["params"]["features"]["w"],
+                                trained[0]["features"]["w"])
+  np.testing.assert_array_equal(new[1]["params"]["features"]["w"][1],
+                                states[1]["params"]["features"]["w"][1])
