@@ -73,7 +73,8 @@ class _Killed(Exception):
   pass
 
 
-@pytest.mark.parametrize("name", ["cwfedavg", "fedrema"])
+@pytest.mark.parametrize(
+    "name", ["cwfedavg", pytest.param("fedrema", marks=pytest.mark.slow)])
 def test_resume_after_kill_equals_uninterrupted(setup, tmp_path, name):
   config = dataclasses.replace(CONFIG, rounds=4)
   uninterrupted = simulate.run(name, config, 0, setup=setup)

@@ -6,7 +6,7 @@ import os
 import pickle
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import chex
 import jax
@@ -108,53 +108,80 @@ def output_norms(params: Any) -> np.ndarray:
   return np.asarray(jnp.sqrt(jnp.sum(jnp.square(kernel.astype(jnp.float32)), axis=-2)))
 
 
+class _Programs(NamedTuple):
+  """The compiled pieces of one algorithm on one architecture (data-free)."""
+  algorithm: algos.Algorithm
+  trainer: Callable[..., Any]
+  warmup: Callable[..., Any] | None
+  init_opt_state: Callable[..., Any]
+  inputs: Callable[..., Any]
+  outputs: Callable[..., Any]
+  evaluate: Callable[..., Any]
+  correct: Callable[..., Any]
+
+
+@functools.lru_cache(maxsize=64)
+def _programs(name: str, model: Any, hp: algos.Hyperparameters, strategy: str,
+              input_shape: tuple[int, ...]) -> _Programs:
+  """Builds (once per process and configuration) an algorithm's jitted steps.
+
+  The data are arguments, never constants, so runs with other seeds or partitions
+  of the same shapes reuse the compiled programs.
+  """
+  algorithm = algos.get_algorithm(name, model, hp, input_shape)
+  trainer = functools.partial(train_lib.make_trainer, algorithm.loss,
+                              algorithm.optimizer, batch_size=hp.batch_size,
+                              strategy=strategy, unroll=algorithm.unroll)
+  warm = name == "fedclassavg" and hp.fedclassavg_warmup_epochs
+  apply = lambda p, x: model.apply({"params": p}, x)
+  return _Programs(
+      algorithm=algorithm,
+      trainer=trainer(epochs=hp.local_epochs),
+      warmup=trainer(epochs=hp.fedclassavg_warmup_epochs) if warm else None,
+      init_opt_state=jax.jit(functools.partial(algos.init_opt_state, algorithm)),
+      inputs=jax.jit(functools.partial(algos.client_inputs, algorithm)),
+      outputs=jax.jit(functools.partial(algos.client_outputs, algorithm)),
+      evaluate=jax.jit(algorithm.evaluate),
+      correct=train_lib.map_clients(
+          functools.partial(train_lib.evaluate_client, apply), strategy))
+
+
 class _Group:
-  """Clients sharing one architecture: their data, algorithm and jitted steps."""
+  """Clients sharing one architecture: their data and the compiled programs."""
 
   def __init__(self, name: str, model: Any, index: np.ndarray, setup: Setup,
                config: ExperimentConfig):
-    hp = config.hp
     self.index = index
     self.model = model
     self.fed = jax.tree.map(lambda a: a[index], setup.federation)
-    self.algorithm = algos.get_algorithm(name, model, hp, setup.input_shape)
-    strategy = train_lib.resolve_strategy(config.strategy)
-    self.trainer = train_lib.make_trainer(
-        self.algorithm.loss, self.algorithm.optimizer, epochs=hp.local_epochs,
-        batch_size=hp.batch_size, strategy=strategy)
-    self.warmup = (train_lib.make_trainer(
-        self.algorithm.loss, self.algorithm.optimizer,
-        epochs=hp.fedclassavg_warmup_epochs, batch_size=hp.batch_size,
-        strategy=strategy) if name == "fedclassavg" and hp.fedclassavg_warmup_epochs
-                   else None)
-    algorithm, fed = self.algorithm, self.fed
-    self.init_opt_state = jax.jit(functools.partial(algos.init_opt_state, algorithm))
-    self.inputs = jax.jit(
-        lambda state, opt, chosen, key: algos.client_inputs(algorithm, state, opt, fed,
-                                                            chosen, key))
-    self.outputs = jax.jit(functools.partial(algos.client_outputs, algorithm))
-    self.evaluate = jax.jit(algorithm.evaluate)
-    apply = lambda p, x: model.apply({"params": p}, x)
-    self._correct = train_lib.map_clients(
-        functools.partial(train_lib.evaluate_client, apply), strategy)
+    self.programs = _programs(name, model, config.hp,
+                              train_lib.resolve_strategy(config.strategy),
+                              setup.input_shape)
+    self.algorithm = self.programs.algorithm
 
   def init(self, key: chex.PRNGKey) -> tuple[Any, Any]:
     """Initial state (all clients from one model) and optimizer state."""
     m = len(self.index)
     params = models.init_stacked(self.model, key, self.fed.x[0, :1], m, same_init=True)
     state = self.algorithm.init(params, self.fed, key)
-    return state, self.init_opt_state(state)
+    return state, self.programs.init_opt_state(state)
 
   def train(self, trainer: Any, state: Any, opt_state: Any, chosen: chex.Array,
             key: chex.PRNGKey) -> tuple[Any, Any, chex.Array]:
     """Local training of the chosen clients: `(trained, opt_state, losses)`."""
-    result = trainer(*self.inputs(state, opt_state, chosen, key))
-    return self.outputs(state, opt_state, chosen, result)
+    p = self.programs
+    result = trainer(*p.inputs(state, opt_state, self.fed, chosen, key))
+    return p.outputs(state, opt_state, chosen, result)
+
+  def evaluate(self, state: Any) -> tuple[Any, Any]:
+    """`(personalized, global or None)` stacked models of the group's clients."""
+    return self.programs.evaluate(state)
 
   def correct(self, stacked: Any) -> int:
     """Correctly classified test samples over the group's clients."""
     fed = self.fed
-    return int(jnp.sum(self._correct(stacked, fed.test_x, fed.test_y, fed.test_valid)))
+    return int(jnp.sum(self.programs.correct(stacked, fed.test_x, fed.test_y,
+                                             fed.test_valid)))
 
 
 def _groups(name: str, config: ExperimentConfig, setup: Setup) -> list[_Group]:
@@ -170,15 +197,15 @@ def _groups(name: str, config: ExperimentConfig, setup: Setup) -> list[_Group]:
           for g, model in enumerate(family) if g < m]
 
 
-def _server_step(groups: list[_Group]) -> Callable[..., Any]:
+@functools.lru_cache(maxsize=64)
+def _server_step(algorithm: algos.Algorithm, num_groups: int) -> Callable[..., Any]:
   """Jitted server step over all groups: health mask, then aggregation."""
-  algorithm = groups[0].algorithm
 
   def step(states, trained, chosen, key):
-    took_part = [jnp.zeros(len(g.index), bool).at[c].set(True)
-                 for g, c in zip(groups, chosen)]
+    took_part = [jnp.zeros(tree_lib.num_clients(x), bool).at[c].set(True)
+                 for x, c in zip(trained, chosen)]
     healthy = [t & tree_lib.finite_clients(x) for t, x in zip(took_part, trained)]
-    if len(groups) == 1:
+    if num_groups == 1:
       states = [algorithm.server_update(states[0], trained[0], healthy[0], key)]
     else:
       states = algos.fedclassavg_joint_update(states, trained, healthy)
@@ -221,7 +248,7 @@ def run(algorithm: str, config: ExperimentConfig, seed: int, *,
   setup = setup or prepare(config, seed)
   groups = _groups(algorithm, config, setup)
   order = np.concatenate([g.index for g in groups])
-  server = _server_step(groups)
+  server = _server_step(groups[0].algorithm, len(groups))
   total = int(jnp.sum(setup.federation.test_valid))
   evaluate = lambda models_: sum(g.correct(x) for g, x in zip(groups, models_)) / total
   init_key, warm_key, round_key = jax.random.split(jax.random.PRNGKey(seed), 3)
@@ -236,9 +263,9 @@ def run(algorithm: str, config: ExperimentConfig, seed: int, *,
   else:
     states, opt_states = map(list, zip(*[g.init(init_key) for g in groups]))
     for i, g in enumerate(groups):
-      if g.warmup is not None:
+      if g.programs.warmup is not None:
         everyone = jnp.arange(len(g.index))
-        trained, _, _ = g.train(g.warmup, states[i], opt_states[i], everyone, warm_key)
+        trained, _, _ = g.train(g.programs.warmup, states[i], opt_states[i], everyone, warm_key)
         states[i] = {**states[i], "params": trained}
 
   started = time.perf_counter()
@@ -247,7 +274,7 @@ def run(algorithm: str, config: ExperimentConfig, seed: int, *,
         jax.random.fold_in(round_key, t), 3)
     chosen = [participants(jax.random.fold_in(sample_key, i), len(g.index),
                            config.participation) for i, g in enumerate(groups)]
-    outs = [g.train(g.trainer, states[i], opt_states[i], chosen[i],
+    outs = [g.train(g.programs.trainer, states[i], opt_states[i], chosen[i],
                     jax.random.fold_in(train_key, i)) for i, g in enumerate(groups)]
     trained, opt_states, losses = (list(x) for x in zip(*outs))
     states, took_part, healthy = server(states, trained, chosen, server_key)
