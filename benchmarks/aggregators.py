@@ -3,16 +3,20 @@
 The model is the 4-layer CIFAR CNN of the cwFedAvg paper (conv 5x5x3x32, conv
 5x5x32x64, dense 1600x512, dense 512xK; 878,538 parameters per client at K = 10),
 stacked over M clients and drawn with `jax.random.normal`. Every function is
-jitted, warmed up, and timed as the median of `--repeats` runs.
+jitted, warmed up, and timed as the median of `--repeats` runs; the functions
+take turns within each repeat, so load changes hit floors and aggregators alike.
 
 Floors, measured in the same process on the same stacked parameters:
   read        one streaming read: `jnp.tensordot(w, x, 1)` per leaf, w `(M,)`;
   read+write  `x + 1` per leaf;
   dense mix   one `(M, M)` mix `jnp.tensordot(A, x, 1)` per leaf.
+Each aggregator's time is printed as a ratio to its floor; the targets in
+`TARGETS` are judged at `TARGET_SIZE` (M = 100, K = 10) only.
 
 Usage:
   python benchmarks/aggregators.py                  # M in {10, 100}, K in {10, 100}
   python benchmarks/aggregators.py --clients 100 --classes 10 --repeats 9
+  python benchmarks/aggregators.py --only fedsa     # a subset; floors always run
   python benchmarks/aggregators.py --quick          # tiny smoke run (seconds)
 """
 
