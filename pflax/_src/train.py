@@ -81,7 +81,7 @@ MAX_FULL_UNROLL = 64
 """Default `unroll`: schedules of at most this many local steps are unrolled."""
 
 
-def scan_unroll(unroll: int | bool | None, steps: int) -> int | bool:
+def _scan_unroll(unroll: int | bool | None, steps: int) -> int | bool:
   """The `lax.scan` unroll for `steps` local steps (None: full up to 64 steps)."""
   if unroll is None:
     return steps <= MAX_FULL_UNROLL
@@ -123,7 +123,7 @@ def train_client(loss_fn: LossFn, optimizer: optax.GradientTransformation,
 
   (params, opt_state), (losses, active) = jax.lax.scan(
       step, (params, opt_state), (index, real, step_keys),
-      unroll=scan_unroll(unroll, index.shape[0]))
+      unroll=_scan_unroll(unroll, index.shape[0]))
   mean_loss = jnp.sum(losses) / jnp.maximum(jnp.sum(active), 1)
   return ClientResult(params, opt_state, mean_loss)
 
@@ -190,13 +190,12 @@ def make_trainer(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
       CPU), "vmap", "loop" or "map".
     unroll: `lax.scan` unroll factor over the E * S local steps; True
       unrolls all of them, None (default) does so when E * S <= 64 and
-      otherwise keeps a rolled loop. XLA-CPU runs the backward convolutions
-      of a loop body through a generic path (its fast kernels need a layout
-      it establishes outside loops only): any loop left in the schedule, even
-      8-fold unrolled, made the FedAvg CNN step 5-6x slower (73 vs 12.5 ms
-      per step of 10 samples). Unrolling adds compile time, about 0.18 s per
-      step for the CNN and the MLP (60 steps: 13 s against 2 s), and speeds
-      up only models with convolutions.
+      otherwise keeps a rolled loop. XLA-CPU canonicalises convolutions for
+      its fast kernels only outside loops, so with any loop left in the
+      schedule (even 8-fold unrolled) the backward convolutions of the FedAvg
+      CNN take a generic path: 73 against 12.5 ms per step of 10 samples.
+      Unrolling costs compile time, about 0.18 s per step for the CNN and the
+      MLP (60 steps: 13 s against 2 s), and speeds up only convolutions.
     chunk_size: clients per chunk for the "map" strategy.
 
   Returns:
