@@ -33,6 +33,7 @@ from pflax._src import models
 from pflax._src import train as train_lib
 from pflax._src import tree as tree_lib
 from pflax._src import types
+from pflax._src import weights as weights_lib
 
 NAMES = ("local", "fedavg", "fedprox", "cwfedavg", "fedclassavg", "fedsa",
          "feddwa", "fedrema")
@@ -138,15 +139,6 @@ def _cross_entropy_loss(model: nn.Module) -> train_lib.LossFn:
   return loss
 
 
-def _keep(new: types.Stacked, old: types.Stacked, mask: chex.Array) -> types.Stacked:
-  return jax.tree.map(
-      lambda a, b: jnp.where(mask.reshape((-1,) + (1,) * (a.ndim - 1)), a, b), new, old)
-
-
-def _broadcast(tree: types.Tree, m: int) -> types.Stacked:
-  return jax.tree.map(lambda x: tree_lib.broadcast_leaf(x, m), tree)
-
-
 def _num_clients(state_tree: types.Stacked) -> int:
   return jax.tree.leaves(state_tree)[0].shape[0]
 
@@ -161,7 +153,7 @@ def _global_algorithm(name: str, model: nn.Module, hp: Hyperparameters,
   """
 
   def start(state):
-    return _broadcast(state["global"], state["n"].shape[0])
+    return tree_lib.broadcast(state["global"], state["n"].shape[0])
 
   def server_update(state, trained, mask, key):
     del key
@@ -195,7 +187,7 @@ def local(model: nn.Module, hp: Hyperparameters) -> Algorithm:
       optimizer=make_optimizer(hp),
       keep_opt_state=False,
       server_update=lambda state, trained, mask, key: {
-          "params": _keep(trained, state["params"], mask)},
+          "params": weights_lib.keep_masked(trained, state["params"], mask)},
       evaluate=lambda state: (state["params"], None))
 
 
@@ -248,13 +240,13 @@ def cwfedavg(model: nn.Module, hp: Hyperparameters) -> Algorithm:
     dist = (fed.counts.astype(jnp.float32) if hp.cw_dist == "empirical"
             else jnp.full((m, k), 1.0 / k))
     selected, rest = tree_lib.partition(params, where)
-    return {"class_models": jax.tree.map(lambda x: _broadcast(x[0], k), selected),
+    return {"class_models": jax.tree.map(lambda x: tree_lib.broadcast(x[0], k), selected),
             "rest": jax.tree.map(lambda x: x[0], rest),
             "dist": dist, "n": fed.num_samples}
 
   def start(state):
     personal = cw_lib.personalize(state["class_models"], state["dist"])
-    return tree_lib.combine(personal, _broadcast(state["rest"], state["n"].shape[0]))
+    return tree_lib.combine(personal, tree_lib.broadcast(state["rest"], state["n"].shape[0]))
 
   def server_update(state, trained, mask, key):
     del key
@@ -315,7 +307,7 @@ def fedclassavg(model: nn.Module, hp: Hyperparameters) -> Algorithm:
 
   def start(state):
     m = state["n"].shape[0]
-    return with_head(state["params"], _broadcast(state["head"], m))
+    return with_head(state["params"], tree_lib.broadcast(state["head"], m))
 
   def server_update(state, trained, mask, key):
     del key
@@ -330,7 +322,7 @@ def fedclassavg(model: nn.Module, hp: Hyperparameters) -> Algorithm:
           "params": params, "n": fed.num_samples,
           "head": jax.tree.map(lambda x: x[0], params["classifier"]["output"])},
       start=start,
-      context=lambda state, fed: _broadcast(state["head"], state["n"].shape[0]),
+      context=lambda state, fed: tree_lib.broadcast(state["head"], state["n"].shape[0]),
       loss=loss, optimizer=make_optimizer(hp), keep_opt_state=False,
       server_update=server_update, evaluate=lambda state: (start(state), None),
       # Unrolled, the two-view SupCon step compiled in 158 s instead of 13 s
@@ -349,7 +341,7 @@ def fedclassavg_joint_update(states: list[Any], trained: list[types.Stacked],
   heads = tree_lib.concat([t["classifier"]["output"] for t in trained])
   head = fedavg_lib.fedavg(heads, jnp.concatenate([s["n"] for s in states]),
                            mask=jnp.concatenate(masks))
-  return [{**s, "params": _keep(t, s["params"], m), "head": head}
+  return [{**s, "params": weights_lib.keep_masked(t, s["params"], m), "head": head}
           for s, t, m in zip(states, trained, masks)]
 
 
@@ -373,7 +365,7 @@ def feddwa(model: nn.Module, hp: Hyperparameters) -> Algorithm:
                                alpha=hp.feddwa_alpha,
                                temperature=hp.feddwa_temperature, mask=mask)
     return {"exclusive": exclusive,
-            "personal": _keep(trained["v"], state["personal"], mask)}
+            "personal": weights_lib.keep_masked(trained["v"], state["personal"], mask)}
 
   return Algorithm(
       name="feddwa",
