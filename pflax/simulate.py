@@ -1,4 +1,4 @@
-"""Federated simulation: prepare a federation, run rounds, evaluate."""
+"""Federated simulation: prepare a federation, run rounds, evaluate, sweep."""
 
 from pflax._src.simulate import ExperimentConfig
 from pflax._src.simulate import Setup
@@ -6,6 +6,9 @@ from pflax._src.simulate import output_norms
 from pflax._src.simulate import participants
 from pflax._src.simulate import prepare
 from pflax._src.simulate import run
+from pflax._src.sweep import SWEEPABLE
+from pflax._src.sweep import stack_federations
+from pflax._src.sweep import sweep
 
 __all__ = (
     "ExperimentConfig",
@@ -14,4 +17,7 @@ __all__ = (
     "participants",
     "prepare",
     "run",
+    "stack_federations",
+    "sweep",
+    "SWEEPABLE",
 )

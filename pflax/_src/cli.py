@@ -54,7 +54,17 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--strategy", default=defaults.strategy,
                  choices=("auto", "vmap", "loop", "map"),
                  help="how clients are mapped in local training")
-  p.add_argument("--seeds", type=int, nargs="+", default=[0])
+  p.add_argument("--seeds", type=int, nargs="+", default=[0],
+                 help="several seeds run as one vmapped program (see --sequential)")
+  p.add_argument("--sweep", default=None, choices=sorted(simulate.SWEEPABLE),
+                 metavar="HYPERPARAMETER",
+                 help="also sweep this numeric hyperparameter over --values, vmapped "
+                      f"with the seeds; one of {' '.join(sorted(simulate.SWEEPABLE))}")
+  p.add_argument("--values", type=float, nargs="+", default=[],
+                 help="the values of --sweep")
+  p.add_argument("--sequential", action="store_true",
+                 help="run seeds one after another instead of vmapped (implied by "
+                      "--heterogeneous, checkpoints and --strategy loop)")
   p.add_argument("--out", default="runs/latest", help="output directory")
   p.add_argument("--checkpoint-every", type=int, default=0,
                  help="save a checkpoint every N rounds (0: never)")
@@ -79,6 +89,17 @@ def config_from_args(args: argparse.Namespace) -> simulate.ExperimentConfig:
       strategy=args.strategy, hp=hp)
 
 
+def _vmapped(args: argparse.Namespace) -> bool:
+  """Whether the seeds (and --sweep values) run as one vmapped sweep."""
+  several = len(args.seeds) > 1 or args.sweep is not None
+  sequential = (args.sequential or args.heterogeneous or args.strategy == "loop"
+                or args.checkpoint_every or args.resume)
+  if args.sweep is not None and sequential:
+    raise SystemExit("pflax-run: --sweep runs vmapped; it cannot be combined with "
+                     "--sequential, --heterogeneous, --strategy loop or checkpoints.")
+  return several and not sequential
+
+
 def _progress(total: int, label: str, enabled: bool) -> Any:
   from tqdm import tqdm  # pylint: disable=import-outside-toplevel
   return tqdm(total=total, desc=label, disable=not enabled, leave=False,
@@ -86,17 +107,17 @@ def _progress(total: int, label: str, enabled: bool) -> Any:
 
 
 def _table(runs: list[dict[str, Any]]) -> str:
-  """Markdown table of mean (± std over seeds) accuracies per algorithm."""
+  """Markdown table of mean (± std over seeds) accuracies per algorithm (and value)."""
   lines = ["| algorithm | personalized best | personalized final | global final |",
            "|---|---|---|---|"]
-  for name in dict.fromkeys(r["algorithm"] for r in runs):
-    rs = [r for r in runs if r["algorithm"] == name]
+  for label in dict.fromkeys(plots.run_label(r) for r in runs):
+    rs = [r for r in runs if plots.run_label(r) == label]
     fmt = lambda v: f"{100 * np.mean(v):.2f} ± {100 * np.std(v):.2f}"
     pb = fmt([r["personalized_accuracy"]["best"] for r in rs])
     pf = fmt([r["personalized_accuracy"]["final"] for r in rs])
     g = ([r["global_accuracy"]["final"] for r in rs] if rs[0]["global_accuracy"]
          else None)
-    lines.append(f"| {name} | {pb} | {pf} | {fmt(g) if g else '—'} |")
+    lines.append(f"| {label} | {pb} | {pf} | {fmt(g) if g else '—'} |")
   return "\n".join(lines)
 
 
@@ -105,7 +126,57 @@ def _config_dict(config: simulate.ExperimentConfig, args: argparse.Namespace
   out = dataclasses.asdict(config)
   out["algorithms"] = list(args.algorithms)
   out["seeds"] = list(args.seeds)
+  if args.sweep:
+    out["sweep"] = {args.sweep: list(args.values)}
   return out
+
+
+def _report(run: dict[str, Any]) -> None:
+  print(f"{plots.run_label(run):12s} seed {run['seed']}: personalized best "
+        f"{run['personalized_accuracy']['best']:.4f} final "
+        f"{run['personalized_accuracy']['final']:.4f} ({run['seconds']:.1f} s)",
+        flush=True)
+
+
+def _single(name: str, config: simulate.ExperimentConfig, args: argparse.Namespace,
+            seed: int, setup: simulate.Setup) -> dict[str, Any]:
+  """One run with a progress bar, checkpoints as asked."""
+  bar = _progress(config.rounds, f"{name} seed {seed}", not args.no_progress)
+
+  def on_round(record):
+    if "personalized_accuracy" in record:
+      bar.set_postfix(acc=f"{record['personalized_accuracy']:.3f}",
+                      loss=f"{record['train_loss']:.3f}")
+    bar.update(1)
+
+  checkpoints = args.out if args.checkpoint_every or args.resume else None
+  run = simulate.run(name, config, seed, setup=setup, on_round=on_round,
+                     checkpoint_dir=checkpoints, checkpoint_every=args.checkpoint_every,
+                     resume=args.resume)
+  bar.close()
+  _report(run)
+  return run
+
+
+def _sweep(name: str, config: simulate.ExperimentConfig, args: argparse.Namespace,
+           setups: dict[int, simulate.Setup]) -> list[dict[str, Any]]:
+  """All seeds (and --sweep values) of one algorithm as one vmapped program."""
+  bar = _progress(config.rounds, f"{name} x{len(args.seeds) * max(len(args.values), 1)}",
+                  not args.no_progress)
+
+  def on_round(t, records):
+    del t
+    accs = [r["personalized_accuracy"] for r in records if "personalized_accuracy" in r]
+    if accs:
+      bar.set_postfix(mean_acc=f"{np.mean(accs):.3f}")
+    bar.update(1)
+
+  runs = simulate.sweep(name, config, args.seeds, hyperparameter=args.sweep,
+                        values=args.values, setups=setups, on_round=on_round)
+  bar.close()
+  for run in runs:
+    _report(run)
+  return runs
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -117,29 +188,14 @@ def main(argv: Sequence[str] | None = None) -> int:
   jax.config.update("jax_threefry_partitionable", False)
   config = config_from_args(args)
   os.makedirs(args.out, exist_ok=True)
-  runs, counts = [], None
-  for seed in args.seeds:
-    setup = simulate.prepare(config, seed)
-    counts = np.asarray(setup.federation.counts) if counts is None else counts
-    for name in args.algorithms:
-      bar = _progress(config.rounds, f"{name} seed {seed}", not args.no_progress)
-
-      def on_round(record, bar=bar):
-        if "personalized_accuracy" in record:
-          bar.set_postfix(acc=f"{record['personalized_accuracy']:.3f}",
-                          loss=f"{record['train_loss']:.3f}")
-        bar.update(1)
-
-      run = simulate.run(name, config, seed, setup=setup, on_round=on_round,
-                         checkpoint_dir=args.out if args.checkpoint_every or args.resume
-                         else None,
-                         checkpoint_every=args.checkpoint_every, resume=args.resume)
-      bar.close()
-      runs.append(run)
-      print(f"{name:12s} seed {seed}: personalized best "
-            f"{run['personalized_accuracy']['best']:.4f} final "
-            f"{run['personalized_accuracy']['final']:.4f} ({run['seconds']:.1f} s)",
-            flush=True)
+  setups = {seed: simulate.prepare(config, seed) for seed in args.seeds}
+  counts = np.asarray(setups[args.seeds[0]].federation.counts)
+  runs = []
+  for name in args.algorithms:
+    if _vmapped(args):
+      runs += _sweep(name, config, args, setups)
+    else:
+      runs += [_single(name, config, args, seed, setups[seed]) for seed in args.seeds]
   results = {"config": _config_dict(config, args), "class_counts": counts.tolist(),
              "runs": runs}
   with open(os.path.join(args.out, "results.json"), "w") as f:

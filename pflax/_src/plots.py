@@ -13,12 +13,18 @@ def _pyplot():
   return plt
 
 
+def run_label(run: dict[str, Any]) -> str:
+  """The algorithm's name, with the swept hyperparameter's value if any."""
+  swept = ", ".join(f"{k}={v:g}" for k, v in run.get("hyperparameter", {}).items())
+  return f"{run['algorithm']} ({swept})" if swept else run["algorithm"]
+
+
 def accuracy_curves(results: dict[str, Any], path: str) -> None:
   """Personalized accuracy per round, mean over seeds, one line per algorithm."""
   plt = _pyplot()
   fig, ax = plt.subplots(figsize=(7, 4.5))
-  for name in dict.fromkeys(r["algorithm"] for r in results["runs"]):
-    runs = [r for r in results["runs"] if r["algorithm"] == name]
+  for name in dict.fromkeys(run_label(r) for r in results["runs"]):
+    runs = [r for r in results["runs"] if run_label(r) == name]
     points = [[(h["round"], h["personalized_accuracy"]) for h in r["history"]
                if "personalized_accuracy" in h] for r in runs]
     rounds = [p[0] for p in points[0]]
@@ -39,7 +45,7 @@ def norm_heatmaps(results: dict[str, Any], path: str) -> None:
   seed = results["runs"][0]["seed"]
   runs = [r for r in results["runs"] if r["seed"] == seed]
   panels = [("data: samples per class", np.asarray(results["class_counts"]))]
-  panels += [(r["algorithm"], np.asarray(r["output_norms"])) for r in runs]
+  panels += [(run_label(r), np.asarray(r["output_norms"])) for r in runs]
   cols = min(3, len(panels))
   rows = -(-len(panels) // cols)
   fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 3.2 * rows), squeeze=False)

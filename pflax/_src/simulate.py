@@ -102,10 +102,39 @@ def participants(key: chex.PRNGKey, num_clients: int, participation: float) -> c
   return jnp.sort(jax.random.permutation(key, num_clients)[:count])
 
 
-def output_norms(params: Any) -> np.ndarray:
+def output_norms(params: Any) -> chex.Array:
   """`(M, K)` l2-norms of each client's output-layer weight vectors (Fig. 3)."""
   kernel = params["classifier"]["output"]["kernel"]
-  return np.asarray(jnp.sqrt(jnp.sum(jnp.square(kernel.astype(jnp.float32)), axis=-2)))
+  return jnp.sqrt(jnp.sum(jnp.square(kernel.astype(jnp.float32)), axis=-2))
+
+
+def run_keys(seed: int | chex.Array) -> chex.Array:
+  """The keys `(init, warm-up, rounds)` of a run, all derived from its seed."""
+  return jax.random.split(jax.random.PRNGKey(seed), 3)
+
+
+def round_keys(round_key: chex.PRNGKey, t: int | chex.Array) -> chex.Array:
+  """The keys `(participants, training, server)` of round `t`."""
+  return jax.random.split(jax.random.fold_in(round_key, t), 3)
+
+
+def health(num_clients: int, chosen: chex.Array, trained: Any
+           ) -> tuple[chex.Array, chex.Array]:
+  """`(took_part, healthy)` masks: chosen clients, and those with finite uploads."""
+  took_part = jnp.zeros(num_clients, bool).at[chosen].set(True)
+  return took_part, took_part & tree_lib.finite_clients(trained)
+
+
+def round_record(t: int, losses: np.ndarray, took_part: np.ndarray,
+                 healthy: np.ndarray, order: np.ndarray) -> dict[str, Any]:
+  """A round's record: mean loss over healthy clients, dropped clients' indices.
+
+  `order[i]` is the client index of position i of the per-client arrays.
+  """
+  return {"round": t + 1,
+          "train_loss": float(np.sum(losses[healthy]) / max(healthy.sum(), 1)),
+          "dropped_clients": sorted(int(order[i]) for i in
+                                    np.flatnonzero(took_part & ~healthy))}
 
 
 class _Programs(NamedTuple):
@@ -202,9 +231,8 @@ def _server_step(algorithm: algos.Algorithm, num_groups: int) -> Callable[..., A
   """Jitted server step over all groups: health mask, then aggregation."""
 
   def step(states, trained, chosen, key):
-    took_part = [jnp.zeros(tree_lib.num_clients(x), bool).at[c].set(True)
-                 for x, c in zip(trained, chosen)]
-    healthy = [t & tree_lib.finite_clients(x) for t, x in zip(took_part, trained)]
+    took_part, healthy = zip(*[health(tree_lib.num_clients(x), c, x)
+                               for x, c in zip(trained, chosen)])
     if num_groups == 1:
       states = [algorithm.server_update(states[0], trained[0], healthy[0], key)]
     else:
@@ -251,7 +279,7 @@ def run(algorithm: str, config: ExperimentConfig, seed: int, *,
   server = _server_step(groups[0].algorithm, len(groups))
   total = int(jnp.sum(setup.federation.test_valid))
   evaluate = lambda models_: sum(g.correct(x) for g, x in zip(groups, models_)) / total
-  init_key, warm_key, round_key = jax.random.split(jax.random.PRNGKey(seed), 3)
+  init_key, warm_key, round_key = run_keys(seed)
 
   history, first = [], 0
   path = checkpoint_dir and _checkpoint_path(checkpoint_dir, algorithm, seed)
@@ -270,8 +298,7 @@ def run(algorithm: str, config: ExperimentConfig, seed: int, *,
 
   started = time.perf_counter()
   for t in range(first, config.rounds):
-    sample_key, train_key, server_key = jax.random.split(
-        jax.random.fold_in(round_key, t), 3)
+    sample_key, train_key, server_key = round_keys(round_key, t)
     chosen = [participants(jax.random.fold_in(sample_key, i), len(g.index),
                            config.participation) for i, g in enumerate(groups)]
     outs = [g.train(g.programs.trainer, states[i], opt_states[i], chosen[i],
@@ -280,10 +307,7 @@ def run(algorithm: str, config: ExperimentConfig, seed: int, *,
     states, took_part, healthy = server(states, trained, chosen, server_key)
     took_part, healthy = np.asarray(took_part), np.asarray(healthy)
     losses = np.concatenate([np.asarray(x) for x in losses])
-    record = {"round": t + 1,
-              "train_loss": float(np.sum(losses[healthy]) / max(healthy.sum(), 1)),
-              "dropped_clients": sorted(int(order[i]) for i in
-                                        np.flatnonzero(took_part & ~healthy))}
+    record = round_record(t, losses, took_part, healthy, order)
     if (t + 1) % config.eval_every == 0 or t + 1 == config.rounds:
       personal, global_ = zip(*[g.evaluate(s) for g, s in zip(groups, states)])
       record["personalized_accuracy"] = evaluate(personal)
@@ -296,10 +320,16 @@ def run(algorithm: str, config: ExperimentConfig, seed: int, *,
       _save(path, {"state": states, "opt_state": opt_states, "history": history,
                    "round": t + 1})
 
-  evaluated = [h for h in history if "personalized_accuracy" in h]
   norms = np.zeros(setup.federation.counts.shape, np.float32)
   for g, s in zip(groups, states):
-    norms[g.index] = output_norms(g.evaluate(s)[0])
+    norms[g.index] = np.asarray(output_norms(g.evaluate(s)[0]))
+  return run_record(algorithm, seed, history, norms, time.perf_counter() - started)
+
+
+def run_record(algorithm: str, seed: int, history: list[dict[str, Any]],
+               norms: np.ndarray, seconds: float) -> dict[str, Any]:
+  """The record of one run in `results.json` (SPEC §5), plus `output_norms`."""
+  evaluated = [h for h in history if "personalized_accuracy" in h]
   global_values = [h["global_accuracy"] for h in evaluated if "global_accuracy" in h]
   return {
       "algorithm": algorithm,
@@ -307,6 +337,6 @@ def run(algorithm: str, config: ExperimentConfig, seed: int, *,
       "personalized_accuracy": _summary([h["personalized_accuracy"] for h in evaluated]),
       "global_accuracy": _summary(global_values) if global_values else None,
       "history": history,
-      "seconds": time.perf_counter() - started,
-      "output_norms": norms.tolist(),
+      "seconds": seconds,
+      "output_norms": np.asarray(norms).tolist(),
   }

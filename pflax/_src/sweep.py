@@ -1,0 +1,250 @@
+"""Many runs of one algorithm as one compiled program: seeds and a hyperparameter grid.
+
+A sweep vmaps the whole simulation over a leading run axis, the idea of
+`optax.inject_hyperparams`: the algorithm's structure (model, K, number of
+clusters, local epochs) is static, while the seed and one numeric
+hyperparameter are traced values, so S runs share one compiled initialisation,
+one compiled round and one compiled evaluation. Run r of a sweep equals
+`pflax.simulate.run(algorithm, config_r, seed_r)` up to float rounding: every
+random choice derives from the seed exactly as in `run`, and the clients' data
+of different seeds are padded to common lengths, which local training ignores
+(`pflax.train.batch_schedule`).
+"""
+
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pflax._src import algorithms as algos
+from pflax._src import models
+from pflax._src import simulate
+from pflax._src import train as train_lib
+
+SWEEPABLE = {
+    "lr": (0.0, None), "fedprox_mu": (0.0, None), "wdr_coef": (0.0, None),
+    "fedclassavg_rho": (0.0, None), "fedclassavg_lr": (0.0, None),
+    "supcon_temperature": (0.0, None), "fedsa_cv_threshold": (0.0, None),
+    "fedsa_sim_threshold": (-1.0, 1.0), "feddwa_alpha": (0.0, 1.0),
+    "feddwa_lambda": (0.0, None), "feddwa_temperature": (0.0, None),
+    "fedrema_delta": (0.0, 1.0), "fedrema_temperature": (0.0, None),
+}
+"""Numeric hyperparameters a sweep can trace, with their valid ranges."""
+
+
+class RoundMetrics(NamedTuple):
+  """Per-client outcome of one round `(..., M)`: losses, participation, health."""
+  losses: chex.Array
+  took_part: chex.Array
+  healthy: chex.Array
+
+
+class _Programs(NamedTuple):
+  init: Callable[..., Any]
+  round: Callable[..., Any]
+  evaluate: Callable[..., Any]
+
+
+def sweep_strategy(strategy: str) -> str:
+  """Client mapping inside a sweep: "vmap" (also for "auto") or "map".
+
+  The "loop" strategy is a Python loop and cannot run inside one program.
+  """
+  strategy = "vmap" if strategy == "auto" else strategy
+  if strategy not in ("vmap", "map"):
+    raise ValueError("a sweep maps clients inside one program: strategy must be "
+                     f"'auto', 'vmap' or 'map', got {strategy!r}.")
+  return strategy
+
+
+def _with_value(hp: algos.Hyperparameters, field: str | None,
+                value: chex.Array) -> algos.Hyperparameters:
+  return hp if field is None else dataclasses.replace(hp, **{field: value})
+
+
+def one_round(algorithm: algos.Algorithm, trainer: Callable[..., Any],
+              participation: float, carry: tuple[Any, Any], fed: algos.Federation,
+              round_key: chex.PRNGKey, t: chex.Array
+              ) -> tuple[tuple[Any, Any], RoundMetrics]:
+  """Round `t` of one run as a pure function of `(state, opt_state)`.
+
+  Keys, participants, training and the health mask are those of
+  `pflax.simulate.run` for a single architecture group.
+  """
+  state, opt_state = carry
+  sample_key, train_key, server_key = simulate.round_keys(round_key, t)
+  m = fed.num_samples.shape[0]
+  chosen = simulate.participants(jax.random.fold_in(sample_key, 0), m, participation)
+  trained, opt_state, losses = algos.client_update(
+      algorithm, trainer, state, opt_state, fed, chosen,
+      jax.random.fold_in(train_key, 0))
+  took_part, healthy = simulate.health(m, chosen, trained)
+  state = algorithm.server_update(state, trained, healthy, server_key)
+  return (state, opt_state), RoundMetrics(losses, took_part, healthy)
+
+
+@functools.lru_cache(maxsize=32)
+def _programs(name: str, model: Any, hp: algos.Hyperparameters, strategy: str,
+              input_shape: tuple[int, ...], field: str | None,
+              participation: float) -> _Programs:
+  """Jitted, run-vmapped init, round and evaluation of one algorithm."""
+
+  def build(value):
+    h = _with_value(hp, field, value)
+    return algos.get_algorithm(name, model, h, input_shape), h
+
+  def trainer(algorithm, h, epochs):
+    return train_lib.make_trainer(algorithm.loss, algorithm.optimizer, epochs=epochs,
+                                  batch_size=h.batch_size, strategy=strategy,
+                                  unroll=algorithm.unroll)
+
+  def init(value, seed, fed):
+    algorithm, h = build(value)
+    init_key, warm_key, _ = simulate.run_keys(seed)
+    m = fed.num_samples.shape[0]
+    params = models.init_stacked(model, init_key, fed.x[0, :1], m, same_init=True)
+    state = algorithm.init(params, fed, init_key)
+    opt_state = algos.init_opt_state(algorithm, state)
+    if name == "fedclassavg" and h.fedclassavg_warmup_epochs:
+      warm = trainer(algorithm, h, h.fedclassavg_warmup_epochs)
+      trained, _, _ = algos.client_update(algorithm, warm, state, opt_state, fed,
+                                          jnp.arange(m), warm_key)
+      state = {**state, "params": trained}
+    return state, opt_state
+
+  def round_(value, carry, fed, seed, t):
+    algorithm, h = build(value)
+    return one_round(algorithm, trainer(algorithm, h, h.local_epochs), participation,
+                     carry, fed, simulate.run_keys(seed)[2], t)
+
+  apply = lambda p, x: model.apply({"params": p}, x)
+  count = train_lib.map_clients(functools.partial(train_lib.evaluate_client, apply),
+                                strategy)
+
+  def evaluate(value, carry, fed):
+    personal, global_ = build(value)[0].evaluate(carry[0])
+    correct = lambda stacked: jnp.sum(count(stacked, fed.test_x, fed.test_y,
+                                            fed.test_valid))
+    return (correct(personal), None if global_ is None else correct(global_),
+            simulate.output_norms(personal))
+
+  over_runs = lambda f, *axes: jax.jit(jax.vmap(f, in_axes=axes))
+  return _Programs(init=over_runs(init, 0, 0, 0),
+                   round=over_runs(round_, 0, 0, 0, 0, None),
+                   evaluate=over_runs(evaluate, 0, 0, 0))
+
+
+def _pad_clients(x: chex.Array, length: int) -> chex.Array:
+  """Zero-pads the per-client sample axis (axis 1) to `length`."""
+  return jnp.pad(x, ((0, 0), (0, length - x.shape[1])) + ((0, 0),) * (x.ndim - 2))
+
+
+def stack_federations(feds: Sequence[algos.Federation]) -> algos.Federation:
+  """Stacks federations on a leading run axis, padding samples to common lengths.
+
+  All must have the same clients, classes and input shape; padded samples are
+  invalid (`valid` False) and are never trained on nor evaluated.
+  """
+  train_len = max(f.x.shape[1] for f in feds)
+  test_len = max(f.test_x.shape[1] for f in feds)
+  pad = lambda f: f._replace(
+      x=_pad_clients(f.x, train_len), y=_pad_clients(f.y, train_len),
+      valid=_pad_clients(f.valid, train_len), test_x=_pad_clients(f.test_x, test_len),
+      test_y=_pad_clients(f.test_y, test_len),
+      test_valid=_pad_clients(f.test_valid, test_len))
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *[pad(f) for f in feds])
+
+
+def _check_grid(seeds: Sequence[int], hyperparameter: str | None,
+                values: Sequence[float]) -> None:
+  if not seeds or any(not isinstance(s, (int, np.integer)) or not 0 <= s < 2**31
+                      for s in seeds):
+    raise ValueError(f"seeds must be a non-empty list of ints in [0, 2**31), got "
+                     f"{list(seeds)!r}.")
+  if hyperparameter is None:
+    if values:
+      raise ValueError("values given without a hyperparameter to sweep.")
+    return
+  if hyperparameter not in SWEEPABLE:
+    raise ValueError(f"hyperparameter must be one of {sorted(SWEEPABLE)}, got "
+                     f"{hyperparameter!r}.")
+  low, high = SWEEPABLE[hyperparameter]
+  bad = [v for v in values if not (math.isfinite(v) and (low is None or v >= low)
+                                   and (high is None or v <= high))]
+  if not values or bad:
+    raise ValueError(f"values of {hyperparameter} must be a non-empty list of finite "
+                     f"numbers in [{low}, {high if high is not None else 'inf'}], "
+                     f"got {list(values)!r}.")
+
+
+def sweep(algorithm: str, config: simulate.ExperimentConfig, seeds: Sequence[int], *,
+          hyperparameter: str | None = None, values: Sequence[float] = (),
+          setups: dict[int, simulate.Setup] | None = None,
+          on_round: Callable[[int, list[dict[str, Any]]], None] | None = None
+          ) -> list[dict[str, Any]]:
+  """Runs every (value, seed) pair of a grid as one vmapped program.
+
+  Args:
+    algorithm: one of `pflax.algorithms.NAMES`.
+    config: the experiment; `config.strategy` must be "auto"/"vmap" ("vmap" is
+      used) or "map". Heterogeneous models are not supported in sweeps.
+    seeds: the seeds; each gives its own partition, initial model and keys.
+    hyperparameter: optionally a field of `Hyperparameters` in `SWEEPABLE`.
+    values: the values of `hyperparameter` (the grid is values x seeds).
+    setups: prepared federations by seed (default: `simulate.prepare`).
+    on_round: called after every round with the round number and the records
+      of that round, one per run.
+
+  Returns:
+    One run record per (value, seed), values outer, in the format of
+    `pflax.simulate.run`, plus `"hyperparameter": {name: value}` when swept.
+    `seconds` is the sweep's round-loop time, shared by its runs.
+  """
+  _check_grid(seeds, hyperparameter, values)
+  if config.heterogeneous:
+    raise ValueError("sweeps need one architecture: heterogeneous=False.")
+  strategy = sweep_strategy(config.strategy)
+  setups = dict(setups or {})
+  for s in seeds:
+    setups.setdefault(s, simulate.prepare(config, s))
+  grid = [(v, s) for v in (values or [0.0]) for s in seeds]
+  setup = setups[seeds[0]]
+  programs = _programs(algorithm, setup.model, config.hp, strategy, setup.input_shape,
+                       hyperparameter, config.participation)
+  feds = stack_federations([setups[s].federation for _, s in grid])
+  value_arr = jnp.asarray([v for v, _ in grid], jnp.float32)
+  seed_arr = jnp.asarray([s for _, s in grid], jnp.int32)
+  totals = np.asarray(jnp.sum(feds.test_valid, axis=(1, 2)))
+  clients = np.arange(config.clients)
+
+  carry = programs.init(value_arr, seed_arr, feds)
+  histories: list[list[dict[str, Any]]] = [[] for _ in grid]
+  started = time.perf_counter()
+  for t in range(config.rounds):
+    carry, metrics = programs.round(value_arr, carry, feds, seed_arr, jnp.int32(t))
+    losses, took_part, healthy = (np.asarray(x) for x in metrics)
+    records = [simulate.round_record(t, losses[r], took_part[r], healthy[r], clients)
+               for r in range(len(grid))]
+    if (t + 1) % config.eval_every == 0 or t + 1 == config.rounds:
+      personal, global_, _ = programs.evaluate(value_arr, carry, feds)
+      for r, record in enumerate(records):
+        record["personalized_accuracy"] = float(personal[r]) / totals[r]
+        if global_ is not None:
+          record["global_accuracy"] = float(global_[r]) / totals[r]
+    for history, record in zip(histories, records):
+      history.append(record)
+    if on_round:
+      on_round(t + 1, records)
+  seconds = time.perf_counter() - started
+  norms = np.asarray(programs.evaluate(value_arr, carry, feds)[2])
+  return [dict(simulate.run_record(algorithm, s, histories[r], norms[r], seconds),
+               **({"hyperparameter": {hyperparameter: v}} if hyperparameter else {}))
+          for r, (v, s) in enumerate(grid)]
+
