@@ -8,6 +8,7 @@ from pflax._src.models import get_model
 from pflax._src.models import Head
 from pflax._src.models import heterogeneous_family
 from pflax._src.models import init_stacked
+from pflax._src.models import max_pool_2x2
 from pflax._src.models import MLP
 
 __all__ = (
@@ -19,5 +20,6 @@ __all__ = (
     "Head",
     "heterogeneous_family",
     "init_stacked",
+    "max_pool_2x2",
     "MLP",
 )

@@ -1,5 +1,6 @@
 """Tests for pflax.models against hand counts and a NumPy reference forward."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,6 +74,28 @@ def _np_mlp(params, x):
   cls = params["classifier"]
   hidden = [cls[f"hidden_{i}"] for i in range(len(cls) - 1)]
   return _np_dense_stack(h, [params["features"]["dense_0"], *hidden, cls["output"]])
+
+
+def _flax_max_pool(x):
+  return nn.max_pool(x, (2, 2), strides=(2, 2))
+
+
+@pytest.mark.parametrize("shape", [(2, 8, 8, 3), (3, 7, 9, 2), (1, 5, 4, 1), (2, 1, 3, 4)])
+def test_max_pool_2x2_equals_flax_max_pool(shape):
+  # Continuous random inputs have no tied maxima, where gradients may differ.
+  x = jnp.asarray(np.random.default_rng(0).standard_normal(shape), jnp.float32)
+  pooled = jax.jit(models.max_pool_2x2)(x)
+  assert pooled.shape == (shape[0], shape[1] // 2, shape[2] // 2, shape[3])
+  np.testing.assert_array_equal(pooled, _flax_max_pool(x))
+  w = jnp.asarray(np.random.default_rng(1).standard_normal(pooled.shape), jnp.float32)
+  grad = lambda pool: jax.jit(jax.grad(lambda x: jnp.sum(w * pool(x))))(x)
+  np.testing.assert_array_equal(grad(models.max_pool_2x2), grad(_flax_max_pool))
+
+
+def test_max_pool_2x2_matches_numpy_reference():
+  x = np.random.default_rng(2).standard_normal((2, 7, 6, 3)).astype(np.float32)
+  expected = x[:, :6].reshape(2, 3, 2, 3, 2, 3).max(axis=(2, 4))
+  np.testing.assert_array_equal(models.max_pool_2x2(jnp.asarray(x)), expected)
 
 
 @pytest.mark.parametrize(

@@ -68,8 +68,47 @@ class Head(nn.Module):
     return self.output(self.embed(h))
 
 
+def max_pool_2x2(x: chex.Array) -> chex.Array:
+  """2x2 max-pooling with stride 2 and VALID padding of NHWC inputs.
+
+  .. math::
+    y_{b,i,j,c} = \\max_{p, q \\in \\{0, 1\\}} x_{b, 2i+p, 2j+q, c},
+    \\quad 0 \\le i < \\lfloor H/2 \\rfloor, \\ 0 \\le j < \\lfloor W/2 \\rfloor
+
+  The same values as ``nn.max_pool(x, (2, 2), strides=(2, 2))``, computed as
+  elementwise maxima of a reshape (an odd last row or column is dropped).
+
+  Args:
+    x: inputs of shape ``(B, H, W, C)``.
+
+  Returns:
+    The pooled array of shape ``(B, H // 2, W // 2, C)``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> x = jnp.arange(16.0).reshape(1, 4, 4, 1)
+    >>> max_pool_2x2(x)[0, ..., 0]
+    Array([[ 5.,  7.],
+           [13., 15.]], dtype=float32)
+
+  Notes:
+    On XLA-CPU the gradient of ``nn.max_pool`` (``select_and_scatter``,
+    expanded into iotas, a variadic reduce-window and a scatter) took 55-60%
+    of a FedAvg CNN training step; the gradient of this version is
+    elementwise selects, and a CNN client epoch runs about 1.5x faster.
+    Gradients agree with ``nn.max_pool`` except where a window holds tied
+    maxima: ``jnp.maximum`` splits the gradient between them,
+    ``nn.max_pool`` gives it to one. After a ReLU, ties at zero do not
+    matter: the ReLU's gradient there is zero.
+  """
+  b, h, w, c = x.shape
+  x = x[:, : h - h % 2, : w - w % 2].reshape(b, h // 2, 2, w // 2, 2 * c)
+  x = jnp.maximum(x[:, :, 0], x[:, :, 1])
+  return jnp.maximum(x[..., :c], x[..., c:])
+
+
 class ConvFeatures(nn.Module):
-  """Convolution + ReLU + 2x2 max-pool blocks, then flatten.
+  """Convolution + ReLU + 2x2 max-pool (:func:`max_pool_2x2`) blocks, then flatten.
 
   Attributes:
     channels: output channels of each convolution (one pooling per conv).
@@ -91,7 +130,7 @@ class ConvFeatures(nn.Module):
           padding=self.padding,
           name=f"conv_{i}",
       )(x)
-      x = nn.max_pool(nn.relu(x), (2, 2), strides=(2, 2))
+      x = max_pool_2x2(nn.relu(x))
     return x.reshape(x.shape[0], -1)
 
 
