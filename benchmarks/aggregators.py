@@ -143,16 +143,21 @@ def aggregators(model: Model) -> dict[str, Callable[..., Any]]:
 
 
 def median_ms(fns: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]],
-              repeats: int) -> dict[str, float]:
+              repeats: int, budget: float | None = None) -> dict[str, float]:
   """Median wall time in ms of each jitted `fn(*args)`, after a warm-up call.
 
   The functions take turns in every repeat, so a change of load on a shared
-  machine hits the floors and the aggregators alike.
+  machine hits the floors and the aggregators alike. With a `budget` in
+  seconds, no repeat starts once the timed repeats have taken that long (at
+  least one runs).
   """
   for fn, args in fns.values():
     jax.block_until_ready(fn(*args))
   times: dict[str, list[float]] = {name: [] for name in fns}
-  for _ in range(repeats):
+  started = time.perf_counter()
+  for repeat in range(repeats):
+    if repeat and budget is not None and time.perf_counter() - started > budget:
+      break
     for name, (fn, args) in fns.items():
       start = time.perf_counter()
       jax.block_until_ready(fn(*args))
@@ -161,7 +166,8 @@ def median_ms(fns: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]],
 
 
 def run(num_clients: int, num_classes: int, model: Model, repeats: int,
-        only: list[str] | None, judge: bool) -> list[tuple[Any, ...]]:
+        only: list[str] | None, judge: bool,
+        budget: float | None = None) -> list[tuple[Any, ...]]:
   """Rows `(name, M, K, ms, ratio, floor, target, verdict)` for one size."""
   kp, kc, kw, ka, kk = jax.random.split(jax.random.key(0), 5)
 
@@ -182,7 +188,7 @@ def run(num_clients: int, num_classes: int, model: Model, repeats: int,
   fns.update({name: (jax.jit(fn), (params, received, counts, n, state, kk))
               for name, fn in aggregators(model).items()
               if not only or name.split(" ")[0] in only})
-  ms = median_ms(fns, repeats)
+  ms = median_ms(fns, repeats, budget)
   rows = [(f"floor: {name}", num_clients, num_classes, ms[name], 1.0, name, None, "")
           for name in floors()]
   for name, target in TARGETS.items():
