@@ -147,6 +147,26 @@ def test_cli_writes_results_and_plots(tmp_path):
       assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_cli_runs_seeds_and_a_grid_vmapped(tmp_path):
+  out = str(tmp_path / "sweep")
+  code = cli.main(["--algorithms", "fedavg", "--clients", "6", "--rounds", "2",
+                   "--model", "mlp", "--local-epochs", "1", "--seeds", "0", "1",
+                   "--sweep", "lr", "--values", "0.01", "0.1", "--out", out,
+                   "--no-progress"])
+  assert code == 0
+  with open(os.path.join(out, "results.json")) as f:
+    results = json.load(f)
+  assert results["config"]["sweep"] == {"lr": [0.01, 0.1]}
+  assert [(r["hyperparameter"]["lr"], r["seed"]) for r in results["runs"]] == [
+      (0.01, 0), (0.01, 1), (0.1, 0), (0.1, 1)]
+
+
+def test_cli_rejects_a_grid_with_checkpoints(tmp_path):
+  with pytest.raises(SystemExit, match="--sweep and --devices run vmapped"):
+    cli.main(["--sweep", "lr", "--values", "0.1", "--checkpoint-every", "1",
+              "--out", str(tmp_path)])
+
+
 @pytest.mark.slow
 def test_heterogeneous_fedclassavg_shares_only_the_classifier(setup):
   config = dataclasses.replace(CONFIG, clients=8, rounds=2, heterogeneous=True)

@@ -433,26 +433,36 @@ class ClientInputs(NamedTuple):
   keys: chex.Array
 
 
+def _take(participants: chex.Array | None, tree: Any) -> Any:
+  """The participants' rows of every leaf (all rows, ungathered, for None)."""
+  if participants is None:
+    return tree
+  return jax.tree.map(lambda x: x[participants], tree)
+
+
 def client_inputs(algorithm: Algorithm, state: Any, opt_state: Any, fed: Federation,
-                  participants: chex.Array, key: chex.PRNGKey) -> ClientInputs:
+                  participants: chex.Array | None, key: chex.PRNGKey) -> ClientInputs:
   """Gathers the participants' starting models, optimizer states and data.
 
-  The optimizer state is fresh each round unless the algorithm keeps it.
+  `participants` is a sorted index array, or None for all clients (no gather:
+  with the client axis sharded over devices, nothing moves between them).
+  Client i trains with the key `fold_in(key, i)`, whoever else takes part. The
+  optimizer state is fresh each round unless the algorithm keeps it.
   """
-  take = lambda tree: jax.tree.map(lambda x: x[participants], tree)
-  start = take(algorithm.start(state))
+  start = _take(participants, algorithm.start(state))
   if algorithm.keep_opt_state:
-    opt_state = take(opt_state)
+    opt_state = _take(participants, opt_state)
   else:
     opt_state = train_lib.init_opt_state(algorithm.optimizer, start)
-  return ClientInputs(start, opt_state, take(algorithm.context(state, fed)),
-                      fed.x[participants], fed.y[participants],
-                      fed.valid[participants],
-                      jax.random.split(key, participants.shape[0]))
+  x, y, valid = _take(participants, (fed.x, fed.y, fed.valid))
+  ids = jnp.arange(fed.x.shape[0]) if participants is None else participants
+  keys = jax.vmap(jax.random.fold_in, (None, 0))(key, ids)
+  return ClientInputs(start, opt_state, _take(participants, algorithm.context(state, fed)),
+                      x, y, valid, keys)
 
 
 def client_outputs(algorithm: Algorithm, state: Any, opt_state: Any,
-                   participants: chex.Array, result: train_lib.ClientResult
+                   participants: chex.Array | None, result: train_lib.ClientResult
                    ) -> tuple[types.Stacked, Any, chex.Array]:
   """Scatters the participants' results back: `(trained, opt_state, losses)`.
 
@@ -460,11 +470,14 @@ def client_outputs(algorithm: Algorithm, state: Any, opt_state: Any,
   losses are 0; their optimizer states are kept.
   """
   start = algorithm.start(state)
-  put = lambda full, part: jax.tree.map(lambda f, p: f.at[participants].set(p), full,
-                                        part)
+  if participants is None:
+    put = lambda full, part: part
+  else:
+    put = lambda full, part: jax.tree.map(lambda f, p: f.at[participants].set(p), full,
+                                          part)
   if algorithm.keep_opt_state:
     opt_state = put(opt_state, result.opt_state)
-  losses_ = jnp.zeros(_num_clients(start)).at[participants].set(result.loss)
+  losses_ = put(jnp.zeros(_num_clients(start)), result.loss)
   return put(start, result.params), opt_state, losses_
 
 

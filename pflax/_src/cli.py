@@ -14,6 +14,7 @@ import numpy as np
 from pflax._src import algorithms as algos
 from pflax._src import plots
 from pflax._src import simulate
+from pflax._src import sweep as sweep_lib
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -56,12 +57,24 @@ def _parser() -> argparse.ArgumentParser:
                  help="how clients are mapped in local training")
   p.add_argument("--seeds", type=int, nargs="+", default=[0],
                  help="several seeds run as one vmapped program (see --sequential)")
-  p.add_argument("--sweep", default=None, choices=sorted(simulate.SWEEPABLE),
+  p.add_argument("--sweep", default=None, choices=sorted(sweep_lib.SWEEPABLE),
                  metavar="HYPERPARAMETER",
                  help="also sweep this numeric hyperparameter over --values, vmapped "
-                      f"with the seeds; one of {' '.join(sorted(simulate.SWEEPABLE))}")
+                      f"with the seeds; one of {' '.join(sorted(sweep_lib.SWEEPABLE))}")
   p.add_argument("--values", type=float, nargs="+", default=[],
                  help="the values of --sweep")
+  p.add_argument("--devices", type=int, default=None,
+                 help="split the clients over this many devices (a 'clients' mesh "
+                      "axis; on CPU, force host devices with XLA_FLAGS="
+                      "--xla_force_host_platform_device_count=N)")
+  p.add_argument("--distributed", action="store_true",
+                 help="call jax.distributed.initialize() first (several hosts; "
+                      "arguments detected on Slurm, Open MPI and Cloud TPU, else "
+                      "give the three below); --devices then counts all hosts' "
+                      "devices and only process 0 writes results")
+  p.add_argument("--coordinator-address", default=None, help="host:port of process 0")
+  p.add_argument("--num-processes", type=int, default=None)
+  p.add_argument("--process-id", type=int, default=None)
   p.add_argument("--sequential", action="store_true",
                  help="run seeds one after another instead of vmapped (implied by "
                       "--heterogeneous, checkpoints and --strategy loop)")
@@ -91,13 +104,26 @@ def config_from_args(args: argparse.Namespace) -> simulate.ExperimentConfig:
 
 def _vmapped(args: argparse.Namespace) -> bool:
   """Whether the seeds (and --sweep values) run as one vmapped sweep."""
-  several = len(args.seeds) > 1 or args.sweep is not None
+  several = len(args.seeds) > 1 or args.sweep is not None or args.devices
   sequential = (args.sequential or args.heterogeneous or args.strategy == "loop"
                 or args.checkpoint_every or args.resume)
-  if args.sweep is not None and sequential:
-    raise SystemExit("pflax-run: --sweep runs vmapped; it cannot be combined with "
-                     "--sequential, --heterogeneous, --strategy loop or checkpoints.")
-  return several and not sequential
+  if (args.sweep is not None or args.devices) and sequential:
+    raise SystemExit("pflax-run: --sweep and --devices run vmapped; they cannot be "
+                     "combined with --sequential, --heterogeneous, --strategy loop or "
+                     "checkpoints.")
+  return bool(several) and not sequential
+
+
+def _mesh(devices: int | None) -> jax.sharding.Mesh | None:
+  """A one-axis `clients` mesh over the first `devices` devices (None: no mesh)."""
+  if devices is None:
+    return None
+  if not 1 <= devices <= jax.device_count():
+    raise SystemExit(f"pflax-run: --devices must be in [1, {jax.device_count()}] (the "
+                     f"devices JAX sees), got {devices}; on CPU set XLA_FLAGS="
+                     "--xla_force_host_platform_device_count=N.")
+  return jax.make_mesh((devices,), ("clients",), devices=jax.devices()[:devices],
+                       axis_types=(jax.sharding.AxisType.Auto,))
 
 
 def _progress(total: int, label: str, enabled: bool) -> Any:
@@ -126,6 +152,7 @@ def _config_dict(config: simulate.ExperimentConfig, args: argparse.Namespace
   out = dataclasses.asdict(config)
   out["algorithms"] = list(args.algorithms)
   out["seeds"] = list(args.seeds)
+  out["devices"] = args.devices
   if args.sweep:
     out["sweep"] = {args.sweep: list(args.values)}
   return out
@@ -171,8 +198,9 @@ def _sweep(name: str, config: simulate.ExperimentConfig, args: argparse.Namespac
       bar.set_postfix(mean_acc=f"{np.mean(accs):.3f}")
     bar.update(1)
 
-  runs = simulate.sweep(name, config, args.seeds, hyperparameter=args.sweep,
-                        values=args.values, setups=setups, on_round=on_round)
+  runs = sweep_lib.sweep(name, config, args.seeds, hyperparameter=args.sweep,
+                        values=args.values, setups=setups, on_round=on_round,
+                        mesh=_mesh(args.devices))
   bar.close()
   for run in runs:
     _report(run)
@@ -186,6 +214,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   # takes ~10 s per shape on XLA-CPU with partitionable threefry; the classic
   # scheme compiles in under a second. Runs stay seeded and reproducible.
   jax.config.update("jax_threefry_partitionable", False)
+  if args.distributed:
+    jax.distributed.initialize(coordinator_address=args.coordinator_address,
+                               num_processes=args.num_processes,
+                               process_id=args.process_id)
   config = config_from_args(args)
   os.makedirs(args.out, exist_ok=True)
   setups = {seed: simulate.prepare(config, seed) for seed in args.seeds}
@@ -196,6 +228,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       runs += _sweep(name, config, args, setups)
     else:
       runs += [_single(name, config, args, seed, setups[seed]) for seed in args.seeds]
+  if jax.process_index() != 0:
+    return 0
   results = {"config": _config_dict(config, args), "class_counts": counts.tolist(),
              "runs": runs}
   with open(os.path.join(args.out, "results.json"), "w") as f:

@@ -118,11 +118,14 @@ def round_keys(round_key: chex.PRNGKey, t: int | chex.Array) -> chex.Array:
   return jax.random.split(jax.random.fold_in(round_key, t), 3)
 
 
-def health(num_clients: int, chosen: chex.Array, trained: Any
-           ) -> tuple[chex.Array, chex.Array]:
-  """`(took_part, healthy)` masks: chosen clients, and those with finite uploads."""
-  took_part = jnp.zeros(num_clients, bool).at[chosen].set(True)
+def health(took_part: chex.Array, trained: Any) -> tuple[chex.Array, chex.Array]:
+  """`(took_part, healthy)` masks: healthy clients took part and uploaded finite values."""
   return took_part, took_part & tree_lib.finite_clients(trained)
+
+
+def chosen_mask(num_clients: int, chosen: chex.Array) -> chex.Array:
+  """Boolean `(M,)` mask of the chosen client indices."""
+  return jnp.zeros(num_clients, bool).at[chosen].set(True)
 
 
 def round_record(t: int, losses: np.ndarray, took_part: np.ndarray,
@@ -231,7 +234,7 @@ def _server_step(algorithm: algos.Algorithm, num_groups: int) -> Callable[..., A
   """Jitted server step over all groups: health mask, then aggregation."""
 
   def step(states, trained, chosen, key):
-    took_part, healthy = zip(*[health(tree_lib.num_clients(x), c, x)
+    took_part, healthy = zip(*[health(chosen_mask(tree_lib.num_clients(x), c), x)
                                for x, c in zip(trained, chosen)])
     if num_groups == 1:
       states = [algorithm.server_update(states[0], trained[0], healthy[0], key)]

@@ -22,6 +22,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 from pflax._src import algorithms as algos
 from pflax._src import models
@@ -70,22 +71,29 @@ def _with_value(hp: algos.Hyperparameters, field: str | None,
 
 
 def one_round(algorithm: algos.Algorithm, trainer: Callable[..., Any],
-              participation: float, carry: tuple[Any, Any], fed: algos.Federation,
-              round_key: chex.PRNGKey, t: chex.Array
+              participation: float, num_clients: int, carry: tuple[Any, Any],
+              fed: algos.Federation, round_key: chex.PRNGKey, t: chex.Array
               ) -> tuple[tuple[Any, Any], RoundMetrics]:
   """Round `t` of one run as a pure function of `(state, opt_state)`.
 
   Keys, participants, training and the health mask are those of
-  `pflax.simulate.run` for a single architecture group.
+  `pflax.simulate.run` for a single architecture group. Clients from
+  `num_clients` on are padding (see `pad_clients`): never chosen, never
+  aggregated. With full participation nothing is gathered or scattered.
   """
   state, opt_state = carry
   sample_key, train_key, server_key = simulate.round_keys(round_key, t)
   m = fed.num_samples.shape[0]
-  chosen = simulate.participants(jax.random.fold_in(sample_key, 0), m, participation)
+  chosen = simulate.participants(jax.random.fold_in(sample_key, 0), num_clients,
+                                 participation)
+  if chosen.shape[0] == num_clients:
+    chosen, took_part = None, jnp.arange(m) < num_clients
+  else:
+    took_part = simulate.chosen_mask(m, chosen)
   trained, opt_state, losses = algos.client_update(
       algorithm, trainer, state, opt_state, fed, chosen,
       jax.random.fold_in(train_key, 0))
-  took_part, healthy = simulate.health(m, chosen, trained)
+  took_part, healthy = simulate.health(took_part, trained)
   state = algorithm.server_update(state, trained, healthy, server_key)
   return (state, opt_state), RoundMetrics(losses, took_part, healthy)
 
@@ -93,8 +101,8 @@ def one_round(algorithm: algos.Algorithm, trainer: Callable[..., Any],
 @functools.lru_cache(maxsize=32)
 def _programs(name: str, model: Any, hp: algos.Hyperparameters, strategy: str,
               input_shape: tuple[int, ...], field: str | None,
-              participation: float) -> _Programs:
-  """Jitted, run-vmapped init, round and evaluation of one algorithm."""
+              participation: float, num_clients: int) -> _Programs:
+  """Run-vmapped (not yet jitted) init, round and evaluation of one algorithm."""
 
   def build(value):
     h = _with_value(hp, field, value)
@@ -122,7 +130,7 @@ def _programs(name: str, model: Any, hp: algos.Hyperparameters, strategy: str,
   def round_(value, carry, fed, seed, t):
     algorithm, h = build(value)
     return one_round(algorithm, trainer(algorithm, h, h.local_epochs), participation,
-                     carry, fed, simulate.run_keys(seed)[2], t)
+                     num_clients, carry, fed, simulate.run_keys(seed)[2], t)
 
   apply = lambda p, x: model.apply({"params": p}, x)
   count = train_lib.map_clients(functools.partial(train_lib.evaluate_client, apply),
@@ -135,10 +143,65 @@ def _programs(name: str, model: Any, hp: algos.Hyperparameters, strategy: str,
     return (correct(personal), None if global_ is None else correct(global_),
             simulate.output_norms(personal))
 
-  over_runs = lambda f, *axes: jax.jit(jax.vmap(f, in_axes=axes))
-  return _Programs(init=over_runs(init, 0, 0, 0),
-                   round=over_runs(round_, 0, 0, 0, 0, None),
-                   evaluate=over_runs(evaluate, 0, 0, 0))
+  return _Programs(init=jax.vmap(init), round=jax.vmap(round_, (0, 0, 0, 0, None)),
+                   evaluate=jax.vmap(evaluate))
+
+
+def client_shardings(tree: Any, mesh: jax.sharding.Mesh, num_clients: int) -> Any:
+  """`NamedSharding`s of a run-stacked tree: axis 1 over the `clients` mesh axis.
+
+  Leaves `(S, M, ...)` with `M = num_clients` are split over the devices of
+  `mesh.axis_names[0]`; all other leaves (global models, class models,
+  scalars per run) are replicated. A leaf whose second axis merely equals M
+  by coincidence (K = M class models) is split too, which is correct, only
+  laid out differently.
+  """
+  axis = mesh.axis_names[0]
+
+  def spec(leaf):
+    split = len(leaf.shape) >= 2 and leaf.shape[1] == num_clients
+    return jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec(None, axis) if split
+        else jax.sharding.PartitionSpec())
+
+  return jax.tree.map(spec, tree)
+
+
+def _compiled(programs: _Programs, mesh: jax.sharding.Mesh | None, value: Any,
+              seed: Any, feds: algos.Federation) -> _Programs:
+  """Jitted programs; on a mesh, the client axis of state and metrics stays split."""
+  if mesh is None:
+    return _Programs(*(jax.jit(f) for f in programs))
+  m = feds.num_samples.shape[1]
+  carry = client_shardings(jax.eval_shape(programs.init, value, seed, feds), mesh, m)
+  metrics = client_shardings(RoundMetrics(*[feds.num_samples] * 3), mesh, m)
+  return _Programs(init=jax.jit(programs.init, out_shardings=carry),
+                   round=jax.jit(programs.round, out_shardings=(carry, metrics)),
+                   evaluate=jax.jit(programs.evaluate))
+
+
+def place(tree: Any, shardings: Any) -> Any:
+  """Host arrays as global arrays with the given shardings (also across hosts).
+
+  Every process holds the same host copy (same data, same seeds) and
+  contributes the shards of its own devices.
+  """
+  def put(x, sharding):
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+  return jax.tree.map(put, tree, shardings)
+
+
+def pad_clients(fed: algos.Federation, multiple: int) -> algos.Federation:
+  """Appends empty clients (no samples, zero counts) up to a multiple of `multiple`.
+
+  Padded clients sit on the client axis only so that it divides the devices:
+  they are never chosen, aggregated nor evaluated.
+  """
+  m = fed.num_samples.shape[-1]
+  extra = -m % multiple
+  pad = lambda x: jnp.pad(x, ((0, 0), (0, extra)) + ((0, 0),) * (x.ndim - 2))
+  return jax.tree.map(pad, fed)
 
 
 def _pad_clients(x: chex.Array, length: int) -> chex.Array:
@@ -184,11 +247,69 @@ def _check_grid(seeds: Sequence[int], hyperparameter: str | None,
                      f"got {list(values)!r}.")
 
 
+def _runs(seeds: Sequence[int], values: Sequence[float]) -> list[tuple[float, int]]:
+  """The `(value, seed)` pairs of a sweep, values outer (value 0.0 if none)."""
+  return [(v, s) for v in (values or [0.0]) for s in seeds]
+
+
+class Grid(NamedTuple):
+  """A sweep ready to run: compiled programs and the runs' placed inputs."""
+  programs: _Programs
+  feds: algos.Federation
+  values: chex.Array
+  seeds: chex.Array
+  totals: np.ndarray
+
+
+def _check_mesh(mesh: jax.sharding.Mesh) -> None:
+  axis = mesh.axis_names[0]
+  if mesh.axis_types[0] != jax.sharding.AxisType.Auto:
+    raise ValueError(f"mesh axis {axis!r} must be of type AxisType.Auto (the compiler "
+                     "places the collectives), e.g. jax.make_mesh((n,), ('clients',), "
+                     f"axis_types=(jax.sharding.AxisType.Auto,)); got {mesh.axis_types[0]}.")
+
+
+def prepare_grid(algorithm: str, config: simulate.ExperimentConfig,
+                 seeds: Sequence[int], *, hyperparameter: str | None = None,
+                 values: Sequence[float] = (),
+                 setups: dict[int, simulate.Setup] | None = None,
+                 mesh: jax.sharding.Mesh | None = None) -> Grid:
+  """Validates a sweep, stacks (and on a mesh pads and places) its inputs, jits it.
+
+  Arguments as in `sweep`. The runs are `(value, seed)` pairs, values outer.
+  """
+  _check_grid(seeds, hyperparameter, values)
+  if config.heterogeneous:
+    raise ValueError("sweeps need one architecture: heterogeneous=False.")
+  if mesh is not None:
+    _check_mesh(mesh)
+  strategy = sweep_strategy(config.strategy)
+  setups = dict(setups or {})
+  for s in seeds:
+    setups.setdefault(s, simulate.prepare(config, s))
+  grid = _runs(seeds, values)
+  setup = setups[seeds[0]]
+  programs = _programs(algorithm, setup.model, config.hp, strategy, setup.input_shape,
+                       hyperparameter, config.participation, config.clients)
+  feds = stack_federations([setups[s].federation for _, s in grid])
+  value_arr = np.asarray([v for v, _ in grid], np.float32)
+  seed_arr = np.asarray([s for _, s in grid], np.int32)
+  totals = np.asarray(jnp.sum(feds.test_valid, axis=(1, 2)))
+  if mesh is not None:
+    feds = pad_clients(feds, mesh.shape[mesh.axis_names[0]])
+    m = feds.num_samples.shape[1]
+    feds = place(feds, client_shardings(feds, mesh, m))
+    value_arr, seed_arr = place((value_arr, seed_arr),
+                                client_shardings((value_arr, seed_arr), mesh, m))
+  return Grid(_compiled(programs, mesh, value_arr, seed_arr, feds), feds, value_arr,
+              seed_arr, totals)
+
+
 def sweep(algorithm: str, config: simulate.ExperimentConfig, seeds: Sequence[int], *,
           hyperparameter: str | None = None, values: Sequence[float] = (),
           setups: dict[int, simulate.Setup] | None = None,
-          on_round: Callable[[int, list[dict[str, Any]]], None] | None = None
-          ) -> list[dict[str, Any]]:
+          on_round: Callable[[int, list[dict[str, Any]]], None] | None = None,
+          mesh: jax.sharding.Mesh | None = None) -> list[dict[str, Any]]:
   """Runs every (value, seed) pair of a grid as one vmapped program.
 
   Args:
@@ -201,50 +322,50 @@ def sweep(algorithm: str, config: simulate.ExperimentConfig, seeds: Sequence[int
     setups: prepared federations by seed (default: `simulate.prepare`).
     on_round: called after every round with the round number and the records
       of that round, one per run.
+    mesh: optionally a `jax.sharding.Mesh` whose first axis splits the clients:
+      data, states, optimizer states and per-client metrics are placed with
+      `NamedSharding`s over it (`client_shardings`), the same program runs
+      under GSPMD (the compiler inserts the aggregations' collectives), and M
+      is padded with empty clients to a multiple of the axis size. Results
+      equal the single-device ones up to float rounding.
 
   Returns:
     One run record per (value, seed), values outer, in the format of
     `pflax.simulate.run`, plus `"hyperparameter": {name: value}` when swept.
     `seconds` is the sweep's round-loop time, shared by its runs.
   """
-  _check_grid(seeds, hyperparameter, values)
-  if config.heterogeneous:
-    raise ValueError("sweeps need one architecture: heterogeneous=False.")
-  strategy = sweep_strategy(config.strategy)
-  setups = dict(setups or {})
-  for s in seeds:
-    setups.setdefault(s, simulate.prepare(config, s))
-  grid = [(v, s) for v in (values or [0.0]) for s in seeds]
-  setup = setups[seeds[0]]
-  programs = _programs(algorithm, setup.model, config.hp, strategy, setup.input_shape,
-                       hyperparameter, config.participation)
-  feds = stack_federations([setups[s].federation for _, s in grid])
-  value_arr = jnp.asarray([v for v, _ in grid], jnp.float32)
-  seed_arr = jnp.asarray([s for _, s in grid], jnp.int32)
-  totals = np.asarray(jnp.sum(feds.test_valid, axis=(1, 2)))
+  g = prepare_grid(algorithm, config, seeds, hyperparameter=hyperparameter,
+                   values=values, setups=setups, mesh=mesh)
+  programs, feds, value_arr, seed_arr, totals = g
+  grid = _runs(seeds, values)
   clients = np.arange(config.clients)
-
   carry = programs.init(value_arr, seed_arr, feds)
   histories: list[list[dict[str, Any]]] = [[] for _ in grid]
   started = time.perf_counter()
   for t in range(config.rounds):
     carry, metrics = programs.round(value_arr, carry, feds, seed_arr, jnp.int32(t))
-    losses, took_part, healthy = (np.asarray(x) for x in metrics)
+    losses, took_part, healthy = (_to_host(x) for x in metrics)
     records = [simulate.round_record(t, losses[r], took_part[r], healthy[r], clients)
                for r in range(len(grid))]
     if (t + 1) % config.eval_every == 0 or t + 1 == config.rounds:
       personal, global_, _ = programs.evaluate(value_arr, carry, feds)
+      personal = _to_host(personal) / totals
+      global_ = None if global_ is None else _to_host(global_) / totals
       for r, record in enumerate(records):
-        record["personalized_accuracy"] = float(personal[r]) / totals[r]
+        record["personalized_accuracy"] = float(personal[r])
         if global_ is not None:
-          record["global_accuracy"] = float(global_[r]) / totals[r]
+          record["global_accuracy"] = float(global_[r])
     for history, record in zip(histories, records):
       history.append(record)
     if on_round:
       on_round(t + 1, records)
   seconds = time.perf_counter() - started
-  norms = np.asarray(programs.evaluate(value_arr, carry, feds)[2])
+  norms = _to_host(programs.evaluate(value_arr, carry, feds)[2])[:, :config.clients]
   return [dict(simulate.run_record(algorithm, s, histories[r], norms[r], seconds),
                **({"hyperparameter": {hyperparameter: v}} if hyperparameter else {}))
           for r, (v, s) in enumerate(grid)]
 
+
+def _to_host(x: chex.Array) -> np.ndarray:
+  """A global array as a NumPy array on every process."""
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
