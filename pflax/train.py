@@ -4,6 +4,8 @@ from pflax._src.train import Batch
 from pflax._src.train import ClientResult
 from pflax._src.train import STRATEGIES
 from pflax._src.train import batch_schedule
+from pflax._src.train import bytes_per_client
+from pflax._src.train import chunk_size_for_budget
 from pflax._src.train import default_strategy
 from pflax._src.train import epoch_order
 from pflax._src.train import evaluate_client
@@ -17,6 +19,8 @@ __all__ = (
     "ClientResult",
     "STRATEGIES",
     "batch_schedule",
+    "bytes_per_client",
+    "chunk_size_for_budget",
     "default_strategy",
     "epoch_order",
     "evaluate_client",

@@ -1,5 +1,7 @@
 """Local training: per-client-loop semantics, strategies, compile-once."""
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -9,6 +11,7 @@ import pytest
 
 from pflax import losses
 from pflax import train
+from pflax._src import train as train_lib
 
 M, L, D, K, B = 4, 13, 5, 3, 4
 
@@ -128,3 +131,60 @@ def test_bad_strategy_raises():
   with pytest.raises(ValueError, match="strategy"):
     train.make_trainer(_linear_loss, optax.sgd(0.1), epochs=1, batch_size=2,
                        strategy="threads")
+
+
+@pytest.fixture(scope="module")
+def five_clients():
+  """M = 5 clients (chunks of 2 leave one over), a trainer factory, vmap's result."""
+  first, second = _problem(3), _problem(4)
+  params, x, y, valid, _, keys = jax.tree.map(
+      lambda a, b: jnp.concatenate([a, b[:1]]), first, second)
+  optimizer = optax.sgd(0.1, momentum=0.9)
+  args = (params, train.init_opt_state(optimizer, params), jnp.zeros(5), x, y, valid,
+          keys)
+  # A rolled scan (unroll=1) compiles fastest; chunking does not depend on it.
+  one = functools.partial(train.train_client, _linear_loss, optimizer, epochs=2,
+                          batch_size=B, unroll=1)
+  make = functools.partial(train.make_trainer, _linear_loss, optimizer, epochs=2,
+                           batch_size=B, unroll=1)
+  return one, make, args, make(strategy="vmap")(*args)
+
+
+def test_map_chunks_equal_vmap(five_clients):
+  _, make, args, expected = five_clients
+  result = make(strategy="map", chunk_size=3)(*args)  # chunks of 3 and 2
+  chex.assert_trees_all_close(result, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_memory_budget_chunks_equal_vmap(five_clients, monkeypatch):
+  one, make, args, expected = five_clients
+  per_client = train.bytes_per_client(one, *args)
+  budget = 2 * per_client + per_client // 2  # two clients at once: chunks 2, 2, 1
+  assert train.chunk_size_for_budget(per_client, 5, budget) == 2
+  monkeypatch.setattr(train_lib, "default_strategy", lambda: "vmap")  # "auto" -> vmap
+  for strategy, memory_budget in (("map", budget), ("auto", 10**12)):
+    result = make(strategy=strategy, memory_budget=memory_budget)(*args)
+    chex.assert_trees_all_close(result, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_chunk_size_for_budget():
+  assert train.chunk_size_for_budget(100, 10, 10**12) == 10  # one chunk
+  assert train.chunk_size_for_budget(100, 10, 1000) == 10
+  assert train.chunk_size_for_budget(100, 10, 999) == 5  # two balanced chunks
+  assert train.chunk_size_for_budget(100, 10, 450) == 4  # 4, 4, 2
+  assert train.chunk_size_for_budget(100, 7, 300) == 3
+  assert train.chunk_size_for_budget(100, 10, 100) == 1
+  with pytest.raises(ValueError, match="memory_budget of 99 bytes"):
+    train.chunk_size_for_budget(100, 10, 99)
+  with pytest.raises(ValueError, match="bytes_per_client"):
+    train.chunk_size_for_budget(0, 10, 99)
+
+
+def test_memory_budget_errors(five_clients):
+  _, make, args, _ = five_clients
+  with pytest.raises(ValueError, match="memory_budget"):
+    make(strategy="vmap", memory_budget=10**9)
+  with pytest.raises(ValueError, match="memory_budget"):
+    make(strategy="map", chunk_size=2, memory_budget=10**9)
+  with pytest.raises(ValueError, match="memory_budget of 10 bytes"):
+    make(strategy="map", memory_budget=10)(*args)
