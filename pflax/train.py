@@ -12,6 +12,7 @@ from pflax._src.train import evaluate_client
 from pflax._src.train import init_opt_state
 from pflax._src.train import make_trainer
 from pflax._src.train import map_clients
+from pflax._src.train import step_keys
 from pflax._src.train import train_client
 
 __all__ = (
@@ -27,5 +28,6 @@ __all__ = (
     "init_opt_state",
     "make_trainer",
     "map_clients",
+    "step_keys",
     "train_client",
 )

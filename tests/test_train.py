@@ -40,18 +40,15 @@ def _reference_client(optimizer, params, x, y, n, key, epochs):
   """Plain Python loop: each epoch, ceil(n/B) batches of the client's own samples."""
   order_key, step_key = jax.random.split(key)
   valid = jnp.arange(L) < n
-  steps = -(-L // B)
-  epoch_keys = jax.random.split(order_key, epochs)
-  step_keys = jax.random.split(step_key, epochs * steps)
   opt_state = optimizer.init(params)
   losses_ = []
   for e in range(epochs):
-    order = np.asarray(train.epoch_order(epoch_keys[e], valid))[:n]
+    order = np.asarray(train.epoch_order(jax.random.fold_in(order_key, e), valid))[:n]
     for s in range(-(-n // B)):
       idx = order[s * B:(s + 1) * B]
       batch = train.Batch(x[idx], y[idx], jnp.ones(len(idx), bool))
-      loss, grads = jax.value_and_grad(_linear_loss)(params, 0.0, batch,
-                                                     step_keys[e * steps + s])
+      key_es = jax.random.fold_in(jax.random.fold_in(step_key, e), s)
+      loss, grads = jax.value_and_grad(_linear_loss)(params, 0.0, batch, key_es)
       updates, opt_state = optimizer.update(grads, opt_state, params)
       params = optax.apply_updates(params, updates)
       losses_.append(loss)
@@ -74,6 +71,19 @@ def test_trainer_equals_per_client_loop(strategy, optimizer):
     chex.assert_trees_all_close(jax.tree.map(lambda a: a[i], result.params),
                                 ref_params, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(result.loss[i], ref_loss, rtol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["vmap", "loop"])
+def test_result_does_not_depend_on_padding(strategy):
+  params, x, y, valid, _, keys = _problem(2)
+  optimizer = optax.sgd(0.1)
+  trainer = train.make_trainer(_linear_loss, optimizer, epochs=2, batch_size=B,
+                               strategy=strategy)
+  opt_state = train.init_opt_state(optimizer, params)
+  pad = lambda a: jnp.pad(a, ((0, 0), (0, 2 * B + 1)) + ((0, 0),) * (a.ndim - 2))
+  short = trainer(params, opt_state, jnp.zeros(M), x, y, valid, keys)
+  long = trainer(params, opt_state, jnp.zeros(M), pad(x), pad(y), pad(valid), keys)
+  chex.assert_trees_all_close(short, long, rtol=1e-6, atol=1e-6)
 
 
 def test_steps_per_epoch_is_ceil_n_over_b():

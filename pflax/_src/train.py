@@ -58,24 +58,42 @@ def num_steps(length: int, batch_size: int) -> int:
 
 
 def epoch_order(key: chex.PRNGKey, valid: chex.Array) -> chex.Array:
-  """A uniformly random order of the valid samples, followed by the padding."""
-  u = jax.random.uniform(key, valid.shape)
+  """A uniformly random order of the valid samples, followed by the padding.
+
+  Sample j's sort key is drawn from `fold_in(key, j)`, so the order of a
+  client's samples does not depend on how far its data are padded.
+  """
+  draw = lambda j: jax.random.uniform(jax.random.fold_in(key, j))
+  u = jax.vmap(draw)(jnp.arange(valid.shape[0]))
   return jnp.argsort(jnp.where(valid, u, 2.0))
 
 
 def batch_schedule(key: chex.PRNGKey, valid: chex.Array, epochs: int,
                    batch_size: int) -> tuple[chex.Array, chex.Array]:
-  """Sample indices `(E * S, B)` and their validity for all local steps."""
+  """Sample indices `(E * S, B)` and their validity for all local steps.
+
+  Epoch e shuffles with `fold_in(key, e)`; padding ordered last only makes
+  trailing steps of an epoch empty, so the real steps do not depend on the
+  padded length.
+  """
   length = valid.shape[0]
   steps = num_steps(length, batch_size)
-  orders = jax.vmap(epoch_order, in_axes=(0, None))(jax.random.split(key, epochs),
-                                                    valid)
+  epoch_keys = jax.vmap(functools.partial(jax.random.fold_in, key))(jnp.arange(epochs))
+  orders = jax.vmap(epoch_order, in_axes=(0, None))(epoch_keys, valid)
   pad = steps * batch_size - length
   orders = jnp.pad(orders, ((0, 0), (0, pad)))
   in_range = jnp.arange(steps * batch_size) < length
   index = orders.reshape(epochs * steps, batch_size)
   real = (valid[orders] & in_range).reshape(epochs * steps, batch_size)
   return index, real
+
+
+def step_keys(key: chex.PRNGKey, epochs: int, steps: int) -> chex.Array:
+  """Keys `(E * S,)` of the local steps: `fold_in(fold_in(key, e), s)`."""
+  per_epoch = lambda e: jax.vmap(functools.partial(
+      jax.random.fold_in, jax.random.fold_in(key, e)))(jnp.arange(steps))
+  keys = jax.vmap(per_epoch)(jnp.arange(epochs))
+  return keys.reshape(epochs * steps, *keys.shape[2:])
 
 
 MAX_FULL_UNROLL = 64
@@ -108,7 +126,7 @@ def train_client(loss_fn: LossFn, optimizer: optax.GradientTransformation,
   """
   order_key, step_key = jax.random.split(key)
   index, real = batch_schedule(order_key, valid, epochs, batch_size)
-  step_keys = jax.random.split(step_key, index.shape[0])
+  keys = step_keys(step_key, epochs, num_steps(valid.shape[0], batch_size))
   grad_fn = jax.value_and_grad(loss_fn)
 
   def step(carry, inputs):
@@ -123,7 +141,7 @@ def train_client(loss_fn: LossFn, optimizer: optax.GradientTransformation,
         jnp.where(active, loss, 0.0), active)
 
   (params, opt_state), (losses, active) = jax.lax.scan(
-      step, (params, opt_state), (index, real, step_keys),
+      step, (params, opt_state), (index, real, keys),
       unroll=_scan_unroll(unroll, index.shape[0]))
   mean_loss = jnp.sum(losses) / jnp.maximum(jnp.sum(active), 1)
   return ClientResult(params, opt_state, mean_loss)
