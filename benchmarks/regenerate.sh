@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Regenerates every committed benchmark table and plot in benchmarks/results/.
+# Hours on a 2-core CPU; run it on a quiet machine (timings are ratios to
+# baselines measured in the same run, but load still adds noise).
+#   bash benchmarks/regenerate.sh            # everything
+#   bash benchmarks/regenerate.sh --quick    # smoke run of every script (minutes)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+results=benchmarks/results
+mkdir -p "$results"
+if [[ "${1:-}" == "--quick" ]]; then
+  python benchmarks/aggregators.py --quick
+  python benchmarks/scaling.py --quick
+  python benchmarks/training.py --quick
+  python benchmarks/sweeps.py --quick
+  python benchmarks/many_clients.py --quick
+  python benchmarks/reproduce.py --quick
+  exit 0
+fi
+python benchmarks/aggregators.py | tee "$results/aggregators.md"
+python benchmarks/scaling.py                      # scaling.md, scaling_*.png, memory_cwfedavg.png
+python benchmarks/training.py | tee "$results/training.md"
+python benchmarks/sweeps.py --out "$results/sweeps.md"
+python benchmarks/many_clients.py | tee "$results/many_clients.md"
+python benchmarks/reproduce.py                    # reproduction.md, reproduction-*.json, reproduction.png
