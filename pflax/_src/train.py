@@ -60,11 +60,13 @@ def num_steps(length: int, batch_size: int) -> int:
 def epoch_order(key: chex.PRNGKey, valid: chex.Array) -> chex.Array:
   """A uniformly random order of the valid samples, followed by the padding.
 
-  Sample j's sort key is drawn from `fold_in(key, j)`, so the order of a
-  client's samples does not depend on how far its data are padded.
+  Sample j's sort key is the first word of `fold_in(key, j)` (one threefry
+  hash per sample), so the order of a client's samples does not depend on how
+  far its data are padded.
   """
-  draw = lambda j: jax.random.uniform(jax.random.fold_in(key, j))
-  u = jax.vmap(draw)(jnp.arange(valid.shape[0]))
+  word = lambda j: jax.random.key_data(jax.random.fold_in(key, j))[0]
+  bits = jax.vmap(word)(jnp.arange(valid.shape[0]))
+  u = (bits >> 8).astype(jnp.float32) * 2.0**-24  # uniform on [0, 1), exact
   return jnp.argsort(jnp.where(valid, u, 2.0))
 
 
