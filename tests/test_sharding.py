@@ -68,7 +68,8 @@ def _assert_same(a, b):
 
 
 @pytest.mark.parametrize("name,devices", [
-    ("fedavg", 4),  # 6 clients padded to 8, two per device
+    # 6 clients padded to 8, two per device (slow: CI runs it in its slow pass)
+    pytest.param("fedavg", 4, marks=pytest.mark.slow),
     # exclusive models mix across devices:
     pytest.param("feddwa", 8, marks=pytest.mark.slow),
     pytest.param("cwfedavg", 4, marks=pytest.mark.slow),

@@ -50,7 +50,7 @@ def test_sweep_over_seeds_equals_separate_runs(setups, name):
 
 
 @pytest.mark.parametrize("name,field,values", [
-    ("feddwa", "feddwa_alpha", (0.2, 0.9)),
+    pytest.param("feddwa", "feddwa_alpha", (0.2, 0.9), marks=SLOW),
     pytest.param("cwfedavg", "wdr_coef", (0.0, 5.0), marks=SLOW),
     pytest.param("fedavg", "lr", (0.01, 0.1), marks=SLOW),
 ])
