@@ -199,13 +199,11 @@ def pad_clients(fed: algos.Federation, multiple: int) -> algos.Federation:
   they are never chosen, aggregated nor evaluated.
   """
   m = fed.num_samples.shape[-1]
-  extra = -m % multiple
-  pad = lambda x: jnp.pad(x, ((0, 0), (0, extra)) + ((0, 0),) * (x.ndim - 2))
-  return jax.tree.map(pad, fed)
+  return jax.tree.map(lambda x: _pad_axis1(x, m + -m % multiple), fed)
 
 
-def _pad_clients(x: chex.Array, length: int) -> chex.Array:
-  """Zero-pads the per-client sample axis (axis 1) to `length`."""
+def _pad_axis1(x: chex.Array, length: int) -> chex.Array:
+  """Zero-pads axis 1 (samples of `(M, L, ...)`, clients of `(S, M, ...)`) to `length`."""
   return jnp.pad(x, ((0, 0), (0, length - x.shape[1])) + ((0, 0),) * (x.ndim - 2))
 
 
@@ -218,10 +216,10 @@ def stack_federations(feds: Sequence[algos.Federation]) -> algos.Federation:
   train_len = max(f.x.shape[1] for f in feds)
   test_len = max(f.test_x.shape[1] for f in feds)
   pad = lambda f: f._replace(
-      x=_pad_clients(f.x, train_len), y=_pad_clients(f.y, train_len),
-      valid=_pad_clients(f.valid, train_len), test_x=_pad_clients(f.test_x, test_len),
-      test_y=_pad_clients(f.test_y, test_len),
-      test_valid=_pad_clients(f.test_valid, test_len))
+      x=_pad_axis1(f.x, train_len), y=_pad_axis1(f.y, train_len),
+      valid=_pad_axis1(f.valid, train_len), test_x=_pad_axis1(f.test_x, test_len),
+      test_y=_pad_axis1(f.test_y, test_len),
+      test_valid=_pad_axis1(f.test_valid, test_len))
   return jax.tree.map(lambda *xs: jnp.stack(xs), *[pad(f) for f in feds])
 
 
