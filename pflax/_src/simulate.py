@@ -118,9 +118,9 @@ def round_keys(round_key: chex.PRNGKey, t: int | chex.Array) -> chex.Array:
   return jax.random.split(jax.random.fold_in(round_key, t), 3)
 
 
-def health(took_part: chex.Array, trained: Any) -> tuple[chex.Array, chex.Array]:
-  """`(took_part, healthy)` masks: healthy clients took part and uploaded finite values."""
-  return took_part, took_part & tree_lib.finite_clients(trained)
+def healthy(took_part: chex.Array, trained: Any) -> chex.Array:
+  """Mask of the clients that took part and uploaded finite values."""
+  return took_part & tree_lib.finite_clients(trained)
 
 
 def chosen_mask(num_clients: int, chosen: chex.Array) -> chex.Array:
@@ -234,13 +234,13 @@ def _server_step(algorithm: algos.Algorithm, num_groups: int) -> Callable[..., A
   """Jitted server step over all groups: health mask, then aggregation."""
 
   def step(states, trained, chosen, key):
-    took_part, healthy = zip(*[health(chosen_mask(tree_lib.num_clients(x), c), x)
-                               for x, c in zip(trained, chosen)])
+    took_part = [chosen_mask(tree_lib.num_clients(x), c) for x, c in zip(trained, chosen)]
+    health = [healthy(t, x) for t, x in zip(took_part, trained)]
     if num_groups == 1:
-      states = [algorithm.server_update(states[0], trained[0], healthy[0], key)]
+      states = [algorithm.server_update(states[0], trained[0], health[0], key)]
     else:
-      states = algos.fedclassavg_joint_update(states, trained, healthy)
-    return states, jnp.concatenate(took_part), jnp.concatenate(healthy)
+      states = algos.fedclassavg_joint_update(states, trained, health)
+    return states, jnp.concatenate(took_part), jnp.concatenate(health)
 
   return jax.jit(step)
 

@@ -93,7 +93,7 @@ def one_round(algorithm: algos.Algorithm, trainer: Callable[..., Any],
   trained, opt_state, losses = algos.client_update(
       algorithm, trainer, state, opt_state, fed, chosen,
       jax.random.fold_in(train_key, 0))
-  took_part, healthy = simulate.health(took_part, trained)
+  healthy = simulate.healthy(took_part, trained)
   state = algorithm.server_update(state, trained, healthy, server_key)
   return (state, opt_state), RoundMetrics(losses, took_part, healthy)
 
