@@ -147,7 +147,7 @@ def test_cli_writes_results_and_plots(tmp_path):
       assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
-def test_cli_runs_seeds_and_a_grid_vmapped(tmp_path):
+def test_cli_runs_seeds_and_a_grid_as_one_sweep(tmp_path):
   out = str(tmp_path / "sweep")
   code = cli.main(["--algorithms", "fedavg", "--clients", "6", "--rounds", "2",
                    "--model", "mlp", "--local-epochs", "1", "--seeds", "0", "1",
@@ -162,9 +162,14 @@ def test_cli_runs_seeds_and_a_grid_vmapped(tmp_path):
 
 
 def test_cli_rejects_a_grid_with_checkpoints(tmp_path):
-  with pytest.raises(SystemExit, match="--sweep and --devices run vmapped"):
+  with pytest.raises(SystemExit, match="--sweep and --devices run as one sweep"):
     cli.main(["--sweep", "lr", "--values", "0.1", "--checkpoint-every", "1",
               "--out", str(tmp_path)])
+
+
+def test_cli_rejects_devices_with_the_loop_strategy(tmp_path):
+  with pytest.raises(SystemExit, match="--devices runs each round as one program"):
+    cli.main(["--devices", "1", "--strategy", "loop", "--out", str(tmp_path)])
 
 
 @pytest.mark.slow

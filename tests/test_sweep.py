@@ -1,4 +1,4 @@
-"""Sweeps: S runs as one vmapped program equal S separate runs."""
+"""Sweeps: S runs as one vmapped program (or one threaded loop) equal S separate runs."""
 
 import dataclasses
 import logging
@@ -9,6 +9,8 @@ import pytest
 
 from pflax import algorithms
 from pflax import simulate
+from pflax import train
+from pflax._src import sweep as sweep_lib
 
 CONFIG = simulate.ExperimentConfig(
     clients=6, rounds=3, model="mlp", strategy="vmap",
@@ -104,7 +106,22 @@ def test_bad_grids_raise(kwargs, match):
     simulate.sweep("fedavg", CONFIG, **kwargs)
 
 
-def test_loop_strategy_is_rejected(setups):
-  config = dataclasses.replace(CONFIG, strategy="loop")
-  with pytest.raises(ValueError, match="strategy"):
-    simulate.sweep("fedavg", config, SEEDS, setups=setups)
+@pytest.mark.parametrize("name,field,values", [
+    ("cwfedavg", None, ()),
+    ("fedclassavg", "fedclassavg_rho", (0.1, 0.5)),  # warm-up phase, traced value
+])
+def test_looped_sweep_equals_vmapped_sweep(setups, name, field, values):
+  looped = dataclasses.replace(CONFIG, strategy="loop")
+  seeds = SEEDS if field is None else SEEDS[:1]
+  kwargs = dict(hyperparameter=field, values=values, setups=setups)
+  expected = simulate.sweep(name, CONFIG, seeds, **kwargs)
+  for record, vmapped in zip(simulate.sweep(name, looped, seeds, **kwargs), expected):
+    total = int(setups[record["seed"]].federation.test_valid.sum())
+    _assert_same_run(record, vmapped, tolerance=1.0 / total + 1e-9)
+
+
+def test_sharded_loop_strategy_is_rejected():
+  with pytest.raises(ValueError, match="a sharded sweep maps clients inside one"):
+    sweep_lib.sweep_strategy("loop", sharded=True)
+  assert sweep_lib.sweep_strategy("auto", sharded=True) == "vmap"
+  assert sweep_lib.sweep_strategy("auto") == train.default_strategy()

@@ -101,21 +101,102 @@ def test_steps_per_epoch_is_ceil_n_over_b():
   np.testing.assert_array_equal(result.params["c"], 3 * np.ceil(n / B))
 
 
+def _counting(loss_fn, traces):
+  """`loss_fn`, appending to `traces` whenever it is traced (Python runs only then)."""
+  def counted(*args):
+    traces.append(1)
+    return loss_fn(*args)
+  return counted
+
+
 def test_strategies_agree_and_compile_once():
   params, x, y, valid, n, keys = _problem(1)
   optimizer = optax.sgd(0.1, momentum=0.9)
-  traced = chex.assert_max_traces(_linear_loss, n=4)
   outs = []
   for strategy in ["vmap", "loop", "map"]:
-    trainer = train.make_trainer(traced, optimizer, epochs=1, batch_size=B,
-                                 strategy=strategy)
+    traces = []
+    trainer = train.make_trainer(_counting(_linear_loss, traces), optimizer, epochs=1,
+                                 batch_size=B, strategy=strategy)
     opt_state = train.init_opt_state(optimizer, params)
     for r in range(3):  # later rounds must reuse the compiled program
       result = trainer(params, opt_state, jnp.zeros(M), x, y, valid,
                        jax.random.split(jax.random.PRNGKey(r), M))
+      if r == 0:
+        first_round = len(traces)
+    assert first_round > 0 and len(traces) == first_round, strategy
     outs.append(result)
   for other in outs[1:]:
     chex.assert_trees_all_close(outs[0].params, other.params, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("threads", [2, 3, 10])
+def test_threaded_loop_equals_one_thread_exactly(threads):
+  # M = 5 clients: blocks of 3 + 2 (2 threads), 2 + 2 + 1 (3), 1 each (10 > M).
+  params, x, y, valid, _, keys = jax.tree.map(
+      lambda a, b: jnp.concatenate([a, b[:1]]), _problem(5), _problem(6))
+  optimizer = optax.sgd(0.1, momentum=0.9)
+  args = (params, train.init_opt_state(optimizer, params), jnp.zeros(5), x, y, valid,
+          keys)
+  make = functools.partial(train.make_trainer, _linear_loss, optimizer, epochs=2,
+                           batch_size=B, strategy="loop", unroll=1)
+  expected = make(threads=1)(*args)
+  threaded = make(threads=threads)
+  for _ in range(2):  # the second call runs every block at once on compiled programs
+    chex.assert_trees_all_equal(threaded(*args), expected)
+
+
+def test_threaded_loop_compiles_once():
+  params, x, y, valid, _, keys = _problem(7)
+  traces = []
+  optimizer = optax.sgd(0.1)
+  trainer = train.make_trainer(_counting(_linear_loss, traces), optimizer, epochs=1,
+                               batch_size=B, strategy="loop", threads=2, unroll=1)
+  opt_state = train.init_opt_state(optimizer, params)
+  counts = []
+  for r in range(3):
+    trainer(params, opt_state, jnp.zeros(M), x, y, valid,
+            jax.random.split(jax.random.PRNGKey(r), M))
+    counts.append(len(traces))
+  # Output shapes and the client program: traced once, not once per thread.
+  assert counts == [2, 2, 2]
+
+
+def _conv_loss(params, context, batch, key):
+  del context, key
+  kernel = params["w"].reshape(3, 3, 1, -1)
+  out = jax.lax.conv_general_dilated(batch.x.reshape(-1, 4, 4, 1), kernel, (1, 1),
+                                     "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  return losses.cross_entropy(out.mean(axis=(1, 2)), batch.y, batch.mask)
+
+
+def _scan_unrolls(loss_fn, params, unroll=None):
+  """The `unroll` of every scan in one client's training program."""
+  x = jnp.zeros((L, 16))
+  jaxpr = jax.make_jaxpr(functools.partial(
+      train.train_client, loss_fn, optax.sgd(0.1), epochs=2, batch_size=B,
+      unroll=unroll))(params, optax.sgd(0.1).init(params), 0.0, x,
+                      jnp.zeros(L, jnp.int32), jnp.ones(L, bool), jax.random.PRNGKey(0))
+  return [e.params["unroll"] for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+
+
+def test_default_unroll_unrolls_only_convolutions_on_cpu():
+  conv_params = {"w": jnp.ones((9 * K,))}
+  dense_params = {"w": jnp.ones((16, K)), "b": jnp.zeros(K)}
+  steps = 2 * -(-L // B)
+  assert train.has_convolution(_conv_loss, conv_params, None,
+                               train.Batch(jnp.zeros((B, 16)), jnp.zeros(B, jnp.int32),
+                                           jnp.ones(B, bool)), None)
+  assert not train.has_convolution(_linear_loss, dense_params, 0.0,
+                                   train.Batch(jnp.zeros((B, 16)),
+                                               jnp.zeros(B, jnp.int32),
+                                               jnp.ones(B, bool)), jax.random.PRNGKey(0))
+  assert _scan_unrolls(_conv_loss, conv_params) == [steps]  # fully unrolled on CPU
+  assert _scan_unrolls(_linear_loss, dense_params) == [1]
+  assert _scan_unrolls(_linear_loss, dense_params, unroll=3) == [3]
+
+
+def test_default_threads_is_positive():
+  assert train.default_threads() >= 1
 
 
 def test_batch_schedule_puts_padding_last():
@@ -141,6 +222,13 @@ def test_bad_strategy_raises():
   with pytest.raises(ValueError, match="strategy"):
     train.make_trainer(_linear_loss, optax.sgd(0.1), epochs=1, batch_size=2,
                        strategy="threads")
+
+
+@pytest.mark.parametrize("threads", [0, -1])
+def test_bad_threads_raises(threads):
+  with pytest.raises(ValueError, match="threads must be >= 1"):
+    train.make_trainer(_linear_loss, optax.sgd(0.1), epochs=1, batch_size=2,
+                       strategy="loop", threads=threads)
 
 
 @pytest.fixture(scope="module")

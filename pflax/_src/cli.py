@@ -56,11 +56,11 @@ def _parser() -> argparse.ArgumentParser:
                  choices=("auto", "vmap", "loop", "map"),
                  help="how clients are mapped in local training")
   p.add_argument("--seeds", type=int, nargs="+", default=[0],
-                 help="several seeds run as one vmapped program (see --sequential)")
+                 help="several seeds run as one sweep (see --sequential)")
   p.add_argument("--sweep", default=None, choices=sorted(sweep_lib.SWEEPABLE),
                  metavar="HYPERPARAMETER",
-                 help="also sweep this numeric hyperparameter over --values, vmapped "
-                      f"with the seeds; one of {' '.join(sorted(sweep_lib.SWEEPABLE))}")
+                 help="also sweep this numeric hyperparameter over --values, "
+                      f"together with the seeds; one of {' '.join(sorted(sweep_lib.SWEEPABLE))}")
   p.add_argument("--values", type=float, nargs="+", default=[],
                  help="the values of --sweep")
   p.add_argument("--devices", type=int, default=None,
@@ -76,8 +76,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--num-processes", type=int, default=None)
   p.add_argument("--process-id", type=int, default=None)
   p.add_argument("--sequential", action="store_true",
-                 help="run seeds one after another instead of vmapped (implied by "
-                      "--heterogeneous, checkpoints and --strategy loop)")
+                 help="run seeds one after another instead of as one sweep (implied "
+                      "by --heterogeneous and checkpoints)")
   p.add_argument("--out", default="runs/latest", help="output directory")
   p.add_argument("--checkpoint-every", type=int, default=0,
                  help="save a checkpoint every N rounds (0: never)")
@@ -102,15 +102,17 @@ def config_from_args(args: argparse.Namespace) -> simulate.ExperimentConfig:
       strategy=args.strategy, hp=hp)
 
 
-def _vmapped(args: argparse.Namespace) -> bool:
-  """Whether the seeds (and --sweep values) run as one vmapped sweep."""
+def _swept(args: argparse.Namespace) -> bool:
+  """Whether the seeds (and --sweep values) run as one sweep."""
   several = len(args.seeds) > 1 or args.sweep is not None or args.devices
-  sequential = (args.sequential or args.heterogeneous or args.strategy == "loop"
-                or args.checkpoint_every or args.resume)
+  sequential = (args.sequential or args.heterogeneous or args.checkpoint_every
+                or args.resume)
   if (args.sweep is not None or args.devices) and sequential:
-    raise SystemExit("pflax-run: --sweep and --devices run vmapped; they cannot be "
-                     "combined with --sequential, --heterogeneous, --strategy loop or "
-                     "checkpoints.")
+    raise SystemExit("pflax-run: --sweep and --devices run as one sweep; they cannot "
+                     "be combined with --sequential, --heterogeneous or checkpoints.")
+  if args.devices and args.strategy == "loop":
+    raise SystemExit("pflax-run: --devices runs each round as one program over the "
+                     "devices; use --strategy auto, vmap or map.")
   return bool(several) and not sequential
 
 
@@ -187,7 +189,7 @@ def _single(name: str, config: simulate.ExperimentConfig, args: argparse.Namespa
 
 def _sweep(name: str, config: simulate.ExperimentConfig, args: argparse.Namespace,
            setups: dict[int, simulate.Setup]) -> list[dict[str, Any]]:
-  """All seeds (and --sweep values) of one algorithm as one vmapped program."""
+  """All seeds (and --sweep values) of one algorithm as one sweep."""
   bar = _progress(config.rounds, f"{name} x{len(args.seeds) * max(len(args.values), 1)}",
                   not args.no_progress)
 
@@ -224,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   counts = np.asarray(setups[args.seeds[0]].federation.counts)
   runs = []
   for name in args.algorithms:
-    if _vmapped(args):
+    if _swept(args):
       runs += _sweep(name, config, args, setups)
     else:
       runs += [_single(name, config, args, seed, setups[seed]) for seed in args.seeds]

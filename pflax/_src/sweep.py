@@ -9,6 +9,12 @@ one compiled round and one compiled evaluation. Run r of a sweep equals
 random choice derives from the seed exactly as in `run`, and the clients' data
 of different seeds are padded to common lengths, which local training ignores
 (`pflax.train.batch_schedule`).
+
+Clients are mapped as in `pflax.train`: with "vmap" (accelerators) or "map" a
+round of all runs is one program; with "loop" (the default on CPU, where
+vmapped clients train slower than a loop) the S x M clients of all runs are one
+client axis of the threaded loop, between a run-vmapped program that gathers
+their inputs and one that aggregates.
 """
 
 import dataclasses
@@ -48,21 +54,30 @@ class RoundMetrics(NamedTuple):
 
 
 class _Programs(NamedTuple):
+  """A sweep's jitted steps, each over the leading run axis of its arguments.
+
+  `init(values, seeds, feds) -> carry`, `round(values, carry, feds, seeds, t)
+  -> (carry, RoundMetrics)` and `evaluate(values, carry, feds) -> (correct,
+  correct_global_or_None, output_norms)`.
+  """
   init: Callable[..., Any]
   round: Callable[..., Any]
   evaluate: Callable[..., Any]
 
 
-def sweep_strategy(strategy: str) -> str:
-  """Client mapping inside a sweep: "vmap" (also for "auto") or "map".
+def sweep_strategy(strategy: str, sharded: bool = False) -> str:
+  """Client mapping inside a sweep: `pflax.train`'s strategies, resolved.
 
-  The "loop" strategy is a Python loop and cannot run inside one program.
+  "auto" is the backend's default (`pflax.train.default_strategy`: "loop" on
+  CPU, "vmap" on accelerators), or "vmap" on a mesh, where the whole round is
+  one program partitioned over the devices; "loop" cannot be sharded.
   """
-  strategy = "vmap" if strategy == "auto" else strategy
-  if strategy not in ("vmap", "map"):
-    raise ValueError("a sweep maps clients inside one program: strategy must be "
-                     f"'auto', 'vmap' or 'map', got {strategy!r}.")
-  return strategy
+  if sharded and strategy == "loop":
+    raise ValueError("a sharded sweep maps clients inside one program: strategy "
+                     f"must be 'auto', 'vmap' or 'map', got {strategy!r}.")
+  if sharded and strategy == "auto":
+    return "vmap"
+  return train_lib.resolve_strategy(strategy)
 
 
 def _with_value(hp: algos.Hyperparameters, field: str | None,
@@ -70,16 +85,23 @@ def _with_value(hp: algos.Hyperparameters, field: str | None,
   return hp if field is None else dataclasses.replace(hp, **{field: value})
 
 
-def one_round(algorithm: algos.Algorithm, trainer: Callable[..., Any],
-              participation: float, num_clients: int, carry: tuple[Any, Any],
-              fed: algos.Federation, round_key: chex.PRNGKey, t: chex.Array
-              ) -> tuple[tuple[Any, Any], RoundMetrics]:
-  """Round `t` of one run as a pure function of `(state, opt_state)`.
+class RoundInputs(NamedTuple):
+  """What one run's round trains on, and what its server step needs after."""
+  clients: algos.ClientInputs
+  chosen: chex.Array | None
+  took_part: chex.Array
+  server_key: chex.PRNGKey
 
-  Keys, participants, training and the health mask are those of
-  `pflax.simulate.run` for a single architecture group. Clients from
-  `num_clients` on are padding (see `pad_clients`): never chosen, never
-  aggregated. With full participation nothing is gathered or scattered.
+
+def round_inputs(algorithm: algos.Algorithm, participation: float, num_clients: int,
+                 carry: tuple[Any, Any], fed: algos.Federation,
+                 round_key: chex.PRNGKey, t: chex.Array) -> RoundInputs:
+  """Round `t`'s participants and their training inputs, for one run.
+
+  Keys and participants are those of `pflax.simulate.run` for a single
+  architecture group. Clients from `num_clients` on are padding (see
+  `pad_clients`): never chosen. With full participation nothing is gathered
+  (`chosen` is None).
   """
   state, opt_state = carry
   sample_key, train_key, server_key = simulate.round_keys(round_key, t)
@@ -90,19 +112,57 @@ def one_round(algorithm: algos.Algorithm, trainer: Callable[..., Any],
     chosen, took_part = None, jnp.arange(m) < num_clients
   else:
     took_part = simulate.chosen_mask(m, chosen)
-  trained, opt_state, losses = algos.client_update(
-      algorithm, trainer, state, opt_state, fed, chosen,
-      jax.random.fold_in(train_key, 0))
-  healthy = simulate.healthy(took_part, trained)
-  state = algorithm.server_update(state, trained, healthy, server_key)
-  return (state, opt_state), RoundMetrics(losses, took_part, healthy)
+  clients = algos.client_inputs(algorithm, state, opt_state, fed, chosen,
+                                jax.random.fold_in(train_key, 0))
+  return RoundInputs(clients, chosen, took_part, server_key)
+
+
+def round_outputs(algorithm: algos.Algorithm, carry: tuple[Any, Any],
+                  inputs: RoundInputs, result: train_lib.ClientResult
+                  ) -> tuple[tuple[Any, Any], RoundMetrics]:
+  """The server step of one run after local training: new carry and metrics.
+
+  Clients that did not take part or uploaded non-finite values are masked out
+  of the aggregation.
+  """
+  state, opt_state = carry
+  trained, opt_state, losses = algos.client_outputs(algorithm, state, opt_state,
+                                                    inputs.chosen, result)
+  healthy = simulate.healthy(inputs.took_part, trained)
+  state = algorithm.server_update(state, trained, healthy, inputs.server_key)
+  return (state, opt_state), RoundMetrics(losses, inputs.took_part, healthy)
+
+
+def one_round(algorithm: algos.Algorithm, trainer: Callable[..., Any],
+              participation: float, num_clients: int, carry: tuple[Any, Any],
+              fed: algos.Federation, round_key: chex.PRNGKey, t: chex.Array
+              ) -> tuple[tuple[Any, Any], RoundMetrics]:
+  """Round `t` of one run as a pure function of `(state, opt_state)`."""
+  inputs = round_inputs(algorithm, participation, num_clients, carry, fed, round_key, t)
+  return round_outputs(algorithm, carry, inputs, trainer(*inputs.clients))
+
+
+def _merge_runs(tree: Any) -> Any:
+  """Leaves `(S, C, ...)` -> `(S * C, ...)`: the runs' clients as one client axis."""
+  return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), tree)
+
+
+def _split_runs(tree: Any, runs: int) -> Any:
+  """Inverse of `_merge_runs`."""
+  return jax.tree.map(lambda x: x.reshape(runs, -1, *x.shape[1:]), tree)
 
 
 @functools.lru_cache(maxsize=32)
 def _programs(name: str, model: Any, hp: algos.Hyperparameters, strategy: str,
               input_shape: tuple[int, ...], field: str | None,
               participation: float, num_clients: int) -> _Programs:
-  """Run-vmapped (not yet jitted) init, round and evaluation of one algorithm."""
+  """Jitted, run-vmapped init, round and evaluation of one algorithm.
+
+  With "vmap" or "map" a round is one program over all runs. With "loop" the
+  clients of all runs train as one client axis of `pflax.train`'s threaded
+  loop, between two run-vmapped programs: the participants' inputs before it
+  and the server steps after it. Each client's program is the same in both.
+  """
 
   def build(value):
     h = _with_value(hp, field, value)
@@ -113,28 +173,85 @@ def _programs(name: str, model: Any, hp: algos.Hyperparameters, strategy: str,
                                   batch_size=h.batch_size, strategy=strategy,
                                   unroll=algorithm.unroll)
 
-  def init(value, seed, fed):
-    algorithm, h = build(value)
-    init_key, warm_key, _ = simulate.run_keys(seed)
+  def phase(pre, post, epochs, in_axes):
+    """A local-training phase of all runs: `pre`, the clients' training, `post`.
+
+    `pre(algorithm, carry, *args) -> RoundInputs` and `post(algorithm, carry,
+    inputs, result) -> out` are per run; the phase maps `(values, carry,
+    *args)` with a leading run axis (`in_axes` for `(carry, *args)`).
+    """
+    if strategy != "loop":
+      def whole(value, carry, *args):
+        algorithm, h = build(value)
+        inputs = pre(algorithm, carry, *args)
+        result = trainer(algorithm, h, epochs)(*inputs.clients)
+        return post(algorithm, carry, inputs, result)
+      return jax.jit(jax.vmap(whole, (0, *in_axes)))
+
+    def train_one(value, *client):
+      algorithm, h = build(value)
+      return train_lib.train_client(algorithm.loss, algorithm.optimizer, *client,
+                                    epochs=epochs, batch_size=h.batch_size,
+                                    unroll=algorithm.unroll)
+
+    @jax.jit
+    def before(values, carry, *args):
+      inputs = jax.vmap(lambda value, *a: pre(build(value)[0], *a), (0, *in_axes))(
+          values, carry, *args)
+      per_run = jax.tree.leaves(inputs.clients)[0].shape[1]
+      return (inputs._replace(clients=None), _merge_runs(inputs.clients),
+              jnp.repeat(values, per_run))
+
+    @jax.jit
+    def after(values, carry, inputs, result):
+      result = _split_runs(result, values.shape[0])
+      return jax.vmap(lambda value, *a: post(build(value)[0], *a))(values, carry,
+                                                                  inputs, result)
+
+    loop = train_lib.map_clients(train_one, "loop")
+
+    def run_phase(values, carry, *args):
+      inputs, clients, client_values = before(values, carry, *args)
+      return after(values, carry, inputs, loop(client_values, *clients))
+    return run_phase
+
+  def start(value, seed, fed):
+    algorithm, _ = build(value)
+    init_key = simulate.run_keys(seed)[0]
     m = fed.num_samples.shape[0]
     params = models.init_stacked(model, init_key, fed.x[0, :1], m, same_init=True)
     state = algorithm.init(params, fed, init_key)
-    opt_state = algos.init_opt_state(algorithm, state)
-    if name == "fedclassavg" and h.fedclassavg_warmup_epochs:
-      warm = trainer(algorithm, h, h.fedclassavg_warmup_epochs)
-      trained, _, _ = algos.client_update(algorithm, warm, state, opt_state, fed,
-                                          jnp.arange(m), warm_key)
-      state = {**state, "params": trained}
-    return state, opt_state
+    return state, algos.init_opt_state(algorithm, state)
 
-  def round_(value, carry, fed, seed, t):
-    algorithm, h = build(value)
-    return one_round(algorithm, trainer(algorithm, h, h.local_epochs), participation,
-                     num_clients, carry, fed, simulate.run_keys(seed)[2], t)
+  def warm_pre(algorithm, carry, fed, seed):
+    everyone = jnp.arange(fed.num_samples.shape[0])
+    return RoundInputs(algos.client_inputs(algorithm, *carry, fed, everyone,
+                                           simulate.run_keys(seed)[1]),
+                       everyone, None, None)
+
+  def warm_post(algorithm, carry, inputs, result):
+    state, opt_state = carry
+    trained, _, _ = algos.client_outputs(algorithm, state, opt_state, inputs.chosen,
+                                         result)
+    return {**state, "params": trained}, opt_state
+
+  def round_pre(algorithm, carry, fed, seed, t):
+    return round_inputs(algorithm, participation, num_clients, carry, fed,
+                        simulate.run_keys(seed)[2], t)
+
+  starting = jax.jit(jax.vmap(start))
+  warm = (phase(warm_pre, warm_post, hp.fedclassavg_warmup_epochs, (0, 0, 0))
+          if name == "fedclassavg" and hp.fedclassavg_warmup_epochs else None)
+
+  def init(values, seeds, feds):
+    carry = starting(values, seeds, feds)
+    return carry if warm is None else warm(values, carry, feds, seeds)
+
+  round_ = phase(round_pre, round_outputs, hp.local_epochs, (0, 0, 0, None))
 
   apply = lambda p, x: model.apply({"params": p}, x)
   count = train_lib.map_clients(functools.partial(train_lib.evaluate_client, apply),
-                                strategy)
+                                "vmap" if strategy == "loop" else strategy)
 
   def evaluate(value, carry, fed):
     personal, global_ = build(value)[0].evaluate(carry[0])
@@ -143,8 +260,7 @@ def _programs(name: str, model: Any, hp: algos.Hyperparameters, strategy: str,
     return (correct(personal), None if global_ is None else correct(global_),
             simulate.output_norms(personal))
 
-  return _Programs(init=jax.vmap(init), round=jax.vmap(round_, (0, 0, 0, 0, None)),
-                   evaluate=jax.vmap(evaluate))
+  return _Programs(init=init, round=round_, evaluate=jax.jit(jax.vmap(evaluate)))
 
 
 def client_shardings(tree: Any, mesh: jax.sharding.Mesh, num_clients: int) -> Any:
@@ -169,9 +285,9 @@ def client_shardings(tree: Any, mesh: jax.sharding.Mesh, num_clients: int) -> An
 
 def _compiled(programs: _Programs, mesh: jax.sharding.Mesh | None, value: Any,
               seed: Any, feds: algos.Federation) -> _Programs:
-  """Jitted programs; on a mesh, the client axis of state and metrics stays split."""
+  """The programs; on a mesh, jitted so that the client axis stays split."""
   if mesh is None:
-    return _Programs(*(jax.jit(f) for f in programs))
+    return programs
   m = feds.num_samples.shape[1]
   carry = client_shardings(jax.eval_shape(programs.init, value, seed, feds), mesh, m)
   metrics = client_shardings(RoundMetrics(*[feds.num_samples] * 3), mesh, m)
@@ -281,7 +397,7 @@ def prepare_grid(algorithm: str, config: simulate.ExperimentConfig,
     raise ValueError("sweeps need one architecture: heterogeneous=False.")
   if mesh is not None:
     _check_mesh(mesh)
-  strategy = sweep_strategy(config.strategy)
+  strategy = sweep_strategy(config.strategy, sharded=mesh is not None)
   setups = dict(setups or {})
   for s in seeds:
     setups.setdefault(s, simulate.prepare(config, s))
@@ -308,12 +424,12 @@ def sweep(algorithm: str, config: simulate.ExperimentConfig, seeds: Sequence[int
           setups: dict[int, simulate.Setup] | None = None,
           on_round: Callable[[int, list[dict[str, Any]]], None] | None = None,
           mesh: jax.sharding.Mesh | None = None) -> list[dict[str, Any]]:
-  """Runs every (value, seed) pair of a grid as one vmapped program.
+  """Runs every (value, seed) pair of a grid as one sweep (see the module docstring).
 
   Args:
     algorithm: one of `pflax.algorithms.NAMES`.
-    config: the experiment; `config.strategy` must be "auto"/"vmap" ("vmap" is
-      used) or "map". Heterogeneous models are not supported in sweeps.
+    config: the experiment; `config.strategy` maps the clients of all runs
+      (see `sweep_strategy`). Heterogeneous models are not supported in sweeps.
     seeds: the seeds; each gives its own partition, initial model and keys.
     hyperparameter: optionally a field of `Hyperparameters` in `SWEEPABLE`.
     values: the values of `hyperparameter` (the grid is values x seeds).
