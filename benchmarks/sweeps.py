@@ -1,17 +1,22 @@
-"""Sweep speed: S seeds as one vmapped program against S sequential runs.
+"""Sweep speed: S seeds as one sweep against S sequential runs.
 
 Each (algorithm, mode) runs in its own process, modes interleaved over
-`--repeats` so that load on a shared machine hits both alike:
+`--repeats` so that load on a shared machine hits every mode alike:
 
   sequential  `pflax.simulate.run` once per seed with the default strategy (on
-              CPU the loop of jitted per-client programs), compiled programs
-              reused across the seeds;
-  vmapped     `pflax.simulate.sweep` over the S seeds (clients vmapped inside).
+              CPU the threaded loop of jitted per-client programs), compiled
+              programs reused across seeds of equal shapes;
+  sweep       `pflax.simulate.sweep` over the S seeds with the default
+              strategy (on CPU: the S x M clients of all runs in the threaded
+              loop, the rest of the round vmapped over runs);
+  sweep vmap  `pflax.simulate.sweep` with strategy "vmap": every round of all
+              runs as one program (the path for accelerators).
 
 Reported per mode (medians over processes): the end-to-end time of the S runs
-including compilation, the round-loop time alone (compiled), and the ratios
-sequential / vmapped (> 1: the sweep is faster). The data are prepared before
-timing in both modes.
+including compilation, the round-loop time alone (its first round compiles),
+the median time of a round of all S runs after the first, and the speed-ups
+sequential / mode (> 1: the mode is faster). The data are prepared before
+timing in every mode.
 
 Usage:
   python benchmarks/sweeps.py                           # fedavg cwfedavg feddwa, 3 seeds
@@ -20,6 +25,7 @@ Usage:
 """
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import statistics
@@ -27,7 +33,7 @@ import subprocess
 import sys
 import time
 
-MODES = ("sequential", "vmapped")
+MODES = ("sequential", "sweep", "sweep vmap")
 
 
 def worker(algorithm: str, mode: str, seeds: list[int], rounds: int,
@@ -37,16 +43,26 @@ def worker(algorithm: str, mode: str, seeds: list[int], rounds: int,
   from pflax import simulate  # pylint: disable=import-outside-toplevel
   config = simulate.ExperimentConfig(rounds=rounds, clients=clients)
   setups = {s: simulate.prepare(config, s) for s in seeds}
+  ends = []
+  tick = lambda *_: ends.append(time.perf_counter())
   start = time.perf_counter()
   if mode == "sequential":
-    runs = [simulate.run(algorithm, config, s, setup=setups[s]) for s in seeds]
+    runs = []
+    for s in seeds:
+      runs.append(simulate.run(algorithm, config, s, setup=setups[s], on_round=tick))
     loop = sum(r["seconds"] for r in runs)
+    per_round = [sum(ends[r + k * rounds] - ends[r + k * rounds - 1]
+                     for k in range(len(seeds))) for r in range(1, rounds)]
   else:
-    runs = simulate.sweep(algorithm, config, seeds, setups=setups)
+    if mode == "sweep vmap":
+      config = dataclasses.replace(config, strategy="vmap")
+    runs = simulate.sweep(algorithm, config, seeds, setups=setups, on_round=tick)
     loop = runs[0]["seconds"]
+    per_round = [b - a for a, b in zip(ends, ends[1:])]
   total = time.perf_counter() - start
   accuracy = statistics.mean(r["personalized_accuracy"]["final"] for r in runs)
-  return {"total": total, "loop": loop, "accuracy": accuracy}
+  return {"total": total, "loop": loop, "round": statistics.median(per_round),
+          "accuracy": accuracy}
 
 
 def _spawn(algorithm: str, mode: str, args: argparse.Namespace) -> dict[str, float]:
@@ -82,16 +98,18 @@ def main() -> None:
   med = lambda algorithm, mode, key: statistics.median(
       r[key] for r in results[algorithm, mode])
   lines = [f"S = {len(args.seeds)} seeds, {args.clients} clients, {args.rounds} rounds, "
-           f"digits, defaults; medians of {args.repeats} processes per mode.", "",
-           "| algorithm | sequential total s | vmapped total s | speed-up total | "
-           "sequential loop s | vmapped loop s | speed-up loop | accuracy seq / vmap |",
-           "|---|---|---|---|---|---|---|---|"]
+           f"digits, defaults; medians of {args.repeats} processes per mode; speed-up = "
+           "sequential / mode.", "",
+           "| algorithm | mode | total s | round loop s | s per round of all seeds "
+           "| speed-up total | speed-up per round | accuracy |",
+           "|---|---|---:|---:|---:|---:|---:|---:|"]
   for a in args.algorithms:
-    st, vt = med(a, "sequential", "total"), med(a, "vmapped", "total")
-    sl, vl = med(a, "sequential", "loop"), med(a, "vmapped", "loop")
-    acc = f"{med(a, 'sequential', 'accuracy'):.4f} / {med(a, 'vmapped', 'accuracy'):.4f}"
-    lines.append(f"| {a} | {st:.1f} | {vt:.1f} | {st / vt:.2f}x | {sl:.1f} | {vl:.1f} | "
-                 f"{sl / vl:.2f}x | {acc} |")
+    for mode in MODES:
+      total, loop, per_round = (med(a, mode, k) for k in ("total", "loop", "round"))
+      speed = (f"{med(a, 'sequential', 'total') / total:.2f}x | "
+               f"{med(a, 'sequential', 'round') / per_round:.2f}x")
+      lines.append(f"| {a} | {mode} | {total:.1f} | {loop:.1f} | {per_round:.3f} | "
+                   f"{speed} | {med(a, mode, 'accuracy'):.4f} |")
   table = "\n".join(lines)
   print(table)
   if args.out:

@@ -25,9 +25,15 @@ the median round. The table gives the median over processes: samples/s
 (`M * 100 / round time`), rounds/s, and the compile time (first round minus a
 steady round).
 
+With `--plot FILE`, rounds/s and samples/s against M are drawn per model and
+implementation (the scaling run below); `--out FILE` also writes the tables.
+
 Usage:
   python benchmarks/training.py                          # M in {20, 100}, both models
   python benchmarks/training.py --clients 20 --models mlp --repeats 5
+  python benchmarks/training.py --clients 10 20 50 100 200 500 1000 \
+      --impls "pflax auto" "jax loop" --out benchmarks/results/training_scaling.md \
+      --plot benchmarks/results/training_scaling.png   # rounds/s vs M
   python benchmarks/training.py --quick                  # smoke run (M = 4, 2 steps)
 """
 
@@ -231,6 +237,32 @@ def markdown(rows: list[dict[str, Any]], samples: int) -> str:
   return "\n".join(lines)
 
 
+def plot(rows: list[dict[str, Any]], samples: int, path: str) -> None:
+  """Rounds/s and samples/s against M (log-log), a line per model and implementation."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+  for model, impl in dict.fromkeys((r["model"], r["impl"]) for r in rows):
+    line = sorted((r["M"], r["round"]) for r in rows
+                  if (r["model"], r["impl"]) == (model, impl))
+    m, seconds = zip(*line)
+    style = "-o" if impl.startswith("pflax") else "--s"
+    left.plot(m, [1 / t for t in seconds], style, markersize=3, label=f"{model} {impl}")
+    right.plot(m, [x * samples / t for x, t in line], style, markersize=3,
+               label=f"{model} {impl}")
+  left.set(xscale="log", yscale="log", xlabel="clients M", ylabel="rounds/s")
+  right.set(xscale="log", yscale="log", xlabel="clients M", ylabel="samples/s")
+  for ax in (left, right):
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+  fig.suptitle(f"local training, 1 epoch of {samples} samples per client, batch {BATCH}",
+               fontsize=10)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--clients", type=int, nargs="+", default=[20, 100],
@@ -255,6 +287,9 @@ def main() -> None:
                       help="override make_trainer's unroll (default: its default)")
   parser.add_argument("--quick", action="store_true",
                       help="M = 4, 20 samples (2 steps), 1 process, 1 round")
+  parser.add_argument("--out", default=None, help="also write the tables to this file")
+  parser.add_argument("--plot", default=None,
+                      help="draw rounds/s and samples/s against M into this PNG")
   parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args()
 
@@ -299,9 +334,15 @@ def main() -> None:
           for (model, m, impl), runs in results.items()]
   if missing:
     print(f"skipped (torch not installed): {sorted(missing)}", file=sys.stderr)
-  print(f"{args.samples} samples per client, batch {BATCH}, 1 epoch; median of "
-        f"{args.repeats} processes x {args.rounds} rounds")
-  print(markdown(rows, args.samples))
+  text = (f"{args.samples} samples per client, batch {BATCH}, 1 epoch; median of "
+          f"{args.repeats} processes x {args.rounds} rounds\n\n"
+          + markdown(rows, args.samples))
+  print(text)
+  if args.out:
+    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(args.out).write_text(text + "\n")
+  if args.plot:
+    plot(rows, args.samples, args.plot)
 
 
 if __name__ == "__main__":

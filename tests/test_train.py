@@ -131,7 +131,7 @@ def test_strategies_agree_and_compile_once():
 
 @pytest.mark.parametrize("threads", [2, 3, 10])
 def test_threaded_loop_equals_one_thread_exactly(threads):
-  # M = 5 clients: blocks of 3 + 2 (2 threads), 2 + 2 + 1 (3), 1 each (10 > M).
+  # M = 5 clients taken in turn by 2, 3 and 10 (more than M) worker threads.
   params, x, y, valid, _, keys = jax.tree.map(
       lambda a, b: jnp.concatenate([a, b[:1]]), _problem(5), _problem(6))
   optimizer = optax.sgd(0.1, momentum=0.9)
@@ -141,7 +141,7 @@ def test_threaded_loop_equals_one_thread_exactly(threads):
                            batch_size=B, strategy="loop", unroll=1)
   expected = make(threads=1)(*args)
   threaded = make(threads=threads)
-  for _ in range(2):  # the second call runs every block at once on compiled programs
+  for _ in range(2):  # the first call compiles on one thread, the second uses all
     chex.assert_trees_all_equal(threaded(*args), expected)
 
 
