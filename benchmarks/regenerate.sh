@@ -19,7 +19,10 @@ if [[ "${1:-}" == "--quick" ]]; then
 fi
 python benchmarks/aggregators.py | tee "$results/aggregators.md"
 python benchmarks/scaling.py                      # scaling.md, scaling_*.png, memory_cwfedavg.png
-python benchmarks/training.py | tee "$results/training.md"
+python benchmarks/training.py --out "$results/training.md"
+python benchmarks/training.py --clients 10 20 50 100 200 500 1000 --impls "pflax auto" "jax loop" \
+  --repeats 2 --rounds 2 --budget 60 --out "$results/training_scaling.md" \
+  --plot "$results/training_scaling.png"
 python benchmarks/sweeps.py --out "$results/sweeps.md"
 python benchmarks/many_clients.py | tee "$results/many_clients.md"
 python benchmarks/reproduce.py                    # reproduction.md, reproduction-*.json, reproduction.png

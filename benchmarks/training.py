@@ -20,8 +20,8 @@ Implementations:
 
 Each (model, M, implementation) runs in `--repeats` separate processes,
 interleaved so that load on a shared machine hits all implementations alike; a
-process times `--rounds` rounds after a first (compiling) round, and reports
-the median round. The table gives the median over processes: samples/s
+process times `--rounds` rounds after a first (compiling) round (short rounds
+more, until 2 s are timed), and reports the median round. The table gives the median over processes: samples/s
 (`M * 100 / round time`), rounds/s, and the compile time (first round minus a
 steady round).
 
@@ -38,6 +38,7 @@ Usage:
 """
 
 import argparse
+import itertools
 import json
 import pathlib
 import statistics
@@ -60,17 +61,24 @@ def _data(num_clients: int, samples: int, shape: tuple[int, ...]) -> tuple[Any, 
   return x, y
 
 
-def _time_rounds(run_round, rounds: int, budget: float) -> dict[str, float]:
-  """First-round time and medians of up to `rounds` further rounds (wall, CPU s).
+MIN_SECONDS = 2.0
+"""Short rounds are repeated beyond `--rounds` until this many seconds are timed."""
 
-  Rounds after the first timed one stop once the process has run `budget` s.
+
+def _time_rounds(run_round, rounds: int, budget: float) -> dict[str, float]:
+  """First-round time and medians of the further rounds (wall, CPU s).
+
+  At least `rounds` rounds are timed, and more until `MIN_SECONDS` have passed
+  (a round of the MLP at M = 20 takes 30 ms); none starts once the process has
+  run `budget` s.
   """
   start = time.perf_counter()
   run_round(0)
   first = time.perf_counter() - start
   times, cpu_times = [], []
-  for r in range(1, rounds + 1):
-    if times and first + sum(times) > budget:
+  for r in itertools.count(1):
+    if times and (first + sum(times) > budget
+                  or (r > rounds and sum(times) >= MIN_SECONDS)):
       break
     start, cpu_start = time.perf_counter(), time.process_time()
     run_round(r)
@@ -224,13 +232,17 @@ def markdown(rows: list[dict[str, Any]], samples: int) -> str:
                  f"{row['M'] * samples / row['round']:,.0f} | "
                  f"{1 / row['round']:.2f} | {row['M'] * samples / row['cpu']:,.0f} | "
                  f"{row['compile']:.1f} | {row['runs']} |")
-  lines += ["", "| model | M | auto / jax loop | auto / torch | auto / torch 1 thread |",
-            "|---|---:|---:|---:|---:|"]
   keyed = {(r["model"], r["M"], r["impl"]): r["round"] for r in rows}
+  measured = {r["impl"] for r in rows}
+  others = [o for o in ("jax loop", "torch", "torch 1 thread") if o in measured]
+  if "pflax auto" not in measured or not others:
+    return "\n".join(lines)
+  lines += ["", "| model | M | " + " | ".join(f"auto / {o}" for o in others) + " |",
+            "|---|---:|" + "---:|" * len(others)]
   for model, m in dict.fromkeys((r["model"], r["M"]) for r in rows):
     auto = keyed.get((model, m, "pflax auto"))
     cells = []
-    for other in ("jax loop", "torch", "torch 1 thread"):
+    for other in others:
       base = keyed.get((model, m, other))
       cells.append("" if auto is None or base is None else f"{base / auto:.2f}x")
     lines.append(f"| {model} | {m} | " + " | ".join(cells) + " |")
@@ -274,7 +286,8 @@ def main() -> None:
   parser.add_argument("--repeats", type=int, default=3,
                       help="processes per configuration; the median is reported")
   parser.add_argument("--rounds", type=int, default=3,
-                      help="timed rounds per process, after the first")
+                      help="timed rounds per process, after the first (at least; "
+                      f"short rounds repeat until {MIN_SECONDS:g} s are timed)")
   parser.add_argument("--budget", type=float, default=120.0,
                       help="seconds per process after which no further round is "
                       "timed; a configuration whose process ran over twice this "

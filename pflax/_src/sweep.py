@@ -133,15 +133,6 @@ def round_outputs(algorithm: algos.Algorithm, carry: tuple[Any, Any],
   return (state, opt_state), RoundMetrics(losses, inputs.took_part, healthy)
 
 
-def one_round(algorithm: algos.Algorithm, trainer: Callable[..., Any],
-              participation: float, num_clients: int, carry: tuple[Any, Any],
-              fed: algos.Federation, round_key: chex.PRNGKey, t: chex.Array
-              ) -> tuple[tuple[Any, Any], RoundMetrics]:
-  """Round `t` of one run as a pure function of `(state, opt_state)`."""
-  inputs = round_inputs(algorithm, participation, num_clients, carry, fed, round_key, t)
-  return round_outputs(algorithm, carry, inputs, trainer(*inputs.clients))
-
-
 def _merge_runs(tree: Any) -> Any:
   """Leaves `(S, C, ...)` -> `(S * C, ...)`: the runs' clients as one client axis."""
   return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), tree)

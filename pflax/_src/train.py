@@ -259,7 +259,7 @@ def _loop_clients(fn: Callable[..., Any], threads: int | None) -> Callable[..., 
 
   def loop(*args):
     m = _leading(args)
-    workers = min(threads or default_threads(), m)
+    workers = max(1, min(threads or default_threads(), m))
     out = zeros(m, *args)
     # Each worker waits for its client's program: `workers` programs run at once.
     wait = jax.block_until_ready if workers > 1 else lambda x: x
@@ -391,7 +391,7 @@ def _within_budget(fn: Callable[..., Any], strategy: str, memory_budget: int,
   """`map_clients` whose chunk size comes from `memory_budget` per input shapes.
 
   "vmap" is kept when all M clients fit the budget at once; "loop" (holding
-  one client at a time) is returned as is.
+  one client per worker thread at a time) is returned as is.
   """
   if strategy == "loop":
     return map_clients(fn, "loop", threads=threads)
