@@ -143,6 +143,72 @@ def _split_runs(tree: Any, runs: int) -> Any:
   return jax.tree.map(lambda x: x.reshape(runs, -1, *x.shape[1:]), tree)
 
 
+def _warm_inputs(algorithm: algos.Algorithm, carry: tuple[Any, Any],
+                 fed: algos.Federation, seed: chex.Array) -> RoundInputs:
+  """FedClassAvg's warm-up epoch: every client trains, as in `simulate.run`."""
+  everyone = jnp.arange(fed.num_samples.shape[0])
+  return RoundInputs(algos.client_inputs(algorithm, *carry, fed, everyone,
+                                         simulate.run_keys(seed)[1]),
+                     everyone, None, None)
+
+
+def _warm_outputs(algorithm: algos.Algorithm, carry: tuple[Any, Any],
+                  inputs: RoundInputs, result: train_lib.ClientResult
+                  ) -> tuple[Any, Any]:
+  """The warmed-up parameters become the state's; no aggregation."""
+  state, opt_state = carry
+  trained, _, _ = algos.client_outputs(algorithm, state, opt_state, inputs.chosen,
+                                       result)
+  return {**state, "params": trained}, opt_state
+
+
+def _phase(build: Callable[[chex.Array], tuple[algos.Algorithm, Any]], strategy: str,
+           epochs: int, pre: Callable[..., RoundInputs], post: Callable[..., Any],
+           in_axes: tuple[int | None, ...]) -> Callable[..., Any]:
+  """A local-training phase of all runs: `pre`, the clients' training, `post`.
+
+  `build(value) -> (algorithm, hyperparameters)`; `pre(algorithm, carry, *args)`
+  and `post(algorithm, carry, inputs, result)` are per run. Returns a function
+  of `(values, carry, *args)` with a leading run axis (`in_axes` for `carry`
+  and `args`): one jitted program for "vmap" and "map"; for "loop" the clients
+  of all runs trained by the threaded loop between two jitted programs.
+  """
+  def train_one(value, *client):
+    algorithm, h = build(value)
+    return train_lib.train_client(algorithm.loss, algorithm.optimizer, *client,
+                                  epochs=epochs, batch_size=h.batch_size,
+                                  unroll=algorithm.unroll)
+
+  if strategy != "loop":
+    def whole(value, carry, *args):
+      algorithm, _ = build(value)
+      inputs = pre(algorithm, carry, *args)
+      train = train_lib.map_clients(functools.partial(train_one, value), strategy)
+      return post(algorithm, carry, inputs, train(*inputs.clients))
+    return jax.jit(jax.vmap(whole, (0, *in_axes)))
+
+  @jax.jit
+  def before(values, carry, *args):
+    inputs = jax.vmap(lambda value, *a: pre(build(value)[0], *a), (0, *in_axes))(
+        values, carry, *args)
+    per_run = jax.tree.leaves(inputs.clients)[0].shape[1]
+    return (inputs._replace(clients=None), _merge_runs(inputs.clients),
+            jnp.repeat(values, per_run))
+
+  @jax.jit
+  def after(values, carry, inputs, result):
+    result = _split_runs(result, values.shape[0])
+    return jax.vmap(lambda value, *a: post(build(value)[0], *a))(values, carry,
+                                                                inputs, result)
+
+  loop = train_lib.map_clients(train_one, "loop")
+
+  def run_phase(values, carry, *args):
+    inputs, clients, client_values = before(values, carry, *args)
+    return after(values, carry, inputs, loop(client_values, *clients))
+  return run_phase
+
+
 @functools.lru_cache(maxsize=32)
 def _programs(name: str, model: Any, hp: algos.Hyperparameters, strategy: str,
               input_shape: tuple[int, ...], field: str | None,
@@ -159,53 +225,6 @@ def _programs(name: str, model: Any, hp: algos.Hyperparameters, strategy: str,
     h = _with_value(hp, field, value)
     return algos.get_algorithm(name, model, h, input_shape), h
 
-  def trainer(algorithm, h, epochs):
-    return train_lib.make_trainer(algorithm.loss, algorithm.optimizer, epochs=epochs,
-                                  batch_size=h.batch_size, strategy=strategy,
-                                  unroll=algorithm.unroll)
-
-  def phase(pre, post, epochs, in_axes):
-    """A local-training phase of all runs: `pre`, the clients' training, `post`.
-
-    `pre(algorithm, carry, *args) -> RoundInputs` and `post(algorithm, carry,
-    inputs, result) -> out` are per run; the phase maps `(values, carry,
-    *args)` with a leading run axis (`in_axes` for `(carry, *args)`).
-    """
-    if strategy != "loop":
-      def whole(value, carry, *args):
-        algorithm, h = build(value)
-        inputs = pre(algorithm, carry, *args)
-        result = trainer(algorithm, h, epochs)(*inputs.clients)
-        return post(algorithm, carry, inputs, result)
-      return jax.jit(jax.vmap(whole, (0, *in_axes)))
-
-    def train_one(value, *client):
-      algorithm, h = build(value)
-      return train_lib.train_client(algorithm.loss, algorithm.optimizer, *client,
-                                    epochs=epochs, batch_size=h.batch_size,
-                                    unroll=algorithm.unroll)
-
-    @jax.jit
-    def before(values, carry, *args):
-      inputs = jax.vmap(lambda value, *a: pre(build(value)[0], *a), (0, *in_axes))(
-          values, carry, *args)
-      per_run = jax.tree.leaves(inputs.clients)[0].shape[1]
-      return (inputs._replace(clients=None), _merge_runs(inputs.clients),
-              jnp.repeat(values, per_run))
-
-    @jax.jit
-    def after(values, carry, inputs, result):
-      result = _split_runs(result, values.shape[0])
-      return jax.vmap(lambda value, *a: post(build(value)[0], *a))(values, carry,
-                                                                  inputs, result)
-
-    loop = train_lib.map_clients(train_one, "loop")
-
-    def run_phase(values, carry, *args):
-      inputs, clients, client_values = before(values, carry, *args)
-      return after(values, carry, inputs, loop(client_values, *clients))
-    return run_phase
-
   def start(value, seed, fed):
     algorithm, _ = build(value)
     init_key = simulate.run_keys(seed)[0]
@@ -214,31 +233,21 @@ def _programs(name: str, model: Any, hp: algos.Hyperparameters, strategy: str,
     state = algorithm.init(params, fed, init_key)
     return state, algos.init_opt_state(algorithm, state)
 
-  def warm_pre(algorithm, carry, fed, seed):
-    everyone = jnp.arange(fed.num_samples.shape[0])
-    return RoundInputs(algos.client_inputs(algorithm, *carry, fed, everyone,
-                                           simulate.run_keys(seed)[1]),
-                       everyone, None, None)
-
-  def warm_post(algorithm, carry, inputs, result):
-    state, opt_state = carry
-    trained, _, _ = algos.client_outputs(algorithm, state, opt_state, inputs.chosen,
-                                         result)
-    return {**state, "params": trained}, opt_state
-
   def round_pre(algorithm, carry, fed, seed, t):
     return round_inputs(algorithm, participation, num_clients, carry, fed,
                         simulate.run_keys(seed)[2], t)
 
   starting = jax.jit(jax.vmap(start))
-  warm = (phase(warm_pre, warm_post, hp.fedclassavg_warmup_epochs, (0, 0, 0))
+  warm = (_phase(build, strategy, hp.fedclassavg_warmup_epochs, _warm_inputs,
+                 _warm_outputs, (0, 0, 0))
           if name == "fedclassavg" and hp.fedclassavg_warmup_epochs else None)
 
   def init(values, seeds, feds):
     carry = starting(values, seeds, feds)
     return carry if warm is None else warm(values, carry, feds, seeds)
 
-  round_ = phase(round_pre, round_outputs, hp.local_epochs, (0, 0, 0, None))
+  round_ = _phase(build, strategy, hp.local_epochs, round_pre, round_outputs,
+                  (0, 0, 0, None))
 
   apply = lambda p, x: model.apply({"params": p}, x)
   count = train_lib.map_clients(functools.partial(train_lib.evaluate_client, apply),
