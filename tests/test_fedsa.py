@@ -5,12 +5,14 @@ functions (hyperparameters that may be traced are passed as arguments).
 """
 
 import functools
+from fractions import Fraction
 
 import jax
 import numpy as np
 import pytest
 
 from pflax import aggregate as agg
+from pflax._src import fedsa as fedsa_lib
 
 import references as ref
 
@@ -128,3 +130,30 @@ def test_join_pair_tie_is_decided_exactly():
   out = _fedsa({"w": w}, n, 0.2, num_mac=2, num_mic=5)["w"]
   np.testing.assert_allclose(
       out, ref.fedsa_leaf_ref(w, n, num_mac=2, num_mic=5), rtol=1e-5, atol=1e-5)
+
+
+@functools.lru_cache(maxsize=None)
+def _macro_classes(num_mac):
+  return jax.jit(lambda sim, valid, threshold, num_high: fedsa_lib.macro_classes(
+      sim, valid, num_mac, threshold, num_high))
+
+
+@pytest.mark.parametrize("num_mac", [1, 3, 6])
+def test_clustering_matches_reference_with_ties_and_mask(num_mac):
+  # Step 5 alone at M = 40 (larger than the leaf tests reach): agreement
+  # counts out of |H| = 5 tie often, so the lowest-index rules decide.
+  rng = np.random.default_rng(num_mac)
+  m, num_high = 40, 5
+  for trial in range(4):
+    counts = rng.integers(0, num_high + 1, (m, m))
+    counts = np.triu(counts, 1) + np.triu(counts, 1).T + num_high * np.eye(m, dtype=int)
+    valid = rng.random(m) > 0.2 if trial % 2 else np.ones(m, bool)
+    threshold = float(rng.choice([0.1, 0.5]))
+    kept = np.flatnonzero(valid)
+    sim = [[Fraction(int(counts[a, b]), num_high) for b in kept] for a in kept]
+    expected = np.full(m, -1)
+    for g, cluster in enumerate(ref.fedsa_clusters(sim, num_mac, threshold)):
+      expected[kept[cluster]] = g
+    out = _macro_classes(num_mac)(counts.astype(np.float32), valid, threshold,
+                                  np.float32(num_high))
+    np.testing.assert_array_equal(out, expected, err_msg=f"trial {trial}")

@@ -96,46 +96,64 @@ def _membership(member: chex.Array, num_mac: int) -> chex.Array:
   return (member[None, :] == jnp.arange(num_mac)[:, None]).astype(jnp.float32)
 
 
-def _cluster_similarity(member: chex.Array, similarity: chex.Array,
-                        num_mac: int, scale: chex.Numeric = 1.0) -> chex.Array:
+class _Clustering(NamedTuple):
+  """State of the greedy MAC clustering.
+
+  `sums[g]` is the sum of cluster g's members' similarity rows, updated as
+  clients join, so each step's average linkage costs `(num_mac, M)`, not a
+  `(num_mac, M) x (M, M)` product.
+  """
+  member: chex.Array   # int32 (M,): cluster of each client, -1 if free
+  count: chex.Array    # int32 (): clusters opened
+  sums: chex.Array     # float32 (num_mac, M)
+  sizes: chex.Array    # float32 (num_mac,)
+
+
+def _linkage(state: _Clustering, scale: chex.Numeric = 1.0) -> chex.Array:
   """`(num_mac, M)` average-linkage similarity of each cluster to each client.
 
   One division of exact integer sums, so equal rationals compare equal.
   """
-  onehot = _membership(member, num_mac)
-  sizes = jnp.sum(onehot, axis=1, keepdims=True)
-  return (jnp.matmul(onehot, similarity, precision=_HIGHEST)
-          / (jnp.maximum(sizes, 1.0) * scale))
+  return state.sums / (jnp.maximum(state.sizes, 1.0)[:, None] * scale)
 
 
-def _first_argmax_2d(score: chex.Array) -> tuple[chex.Array, chex.Array]:
-  """Row and column of the first maximum in row-major order."""
-  flat = jnp.argmax(score.reshape(-1))
-  return flat // score.shape[1], flat % score.shape[1]
+def _best_free_pair(upper: chex.Array, free: chex.Array
+                    ) -> tuple[chex.Array, chex.Array, chex.Array]:
+  """Score, row and column of the first best pair `a < b` of free clients.
+
+  `upper` holds the similarities above the diagonal and -inf elsewhere. A
+  reduction along rows, then one row: the first maximum in row-major order
+  without a variadic argmax over the `(M, M)` matrix.
+  """
+  row_best = jnp.max(jnp.where(free[None, :], upper, -jnp.inf), axis=1)
+  row_best = jnp.where(free, row_best, -jnp.inf)
+  a = jnp.argmax(row_best)
+  b = jnp.argmax(jnp.where(free, upper[a], -jnp.inf))
+  return row_best[a], a, b
 
 
-def _clustering_step(member: chex.Array, count: chex.Array, similarity: chex.Array,
-                     valid: chex.Array, num_mac: int
-                     ) -> tuple[chex.Array, chex.Array]:
+def _clustering_step(state: _Clustering, similarity: chex.Array, upper: chex.Array,
+                     valid: chex.Array, num_mac: int) -> _Clustering:
   """One greedy MAC step: join the best cluster or open one from the best pair."""
-  m = member.shape[0]
-  free = valid & (member < 0)
-  pair_ok = free[:, None] & free[None, :] & jnp.triu(jnp.ones((m, m), bool), k=1)
-  pair_score = jnp.where(pair_ok, similarity, -jnp.inf)
-  a, b = _first_argmax_2d(pair_score)
-  exists = jnp.arange(num_mac) < count
-  join_ok = exists[:, None] & free[None, :]
-  join_score = jnp.where(join_ok, _cluster_similarity(member, similarity, num_mac),
-                         -jnp.inf)
-  g, c = _first_argmax_2d(join_score)
-  has_pair, has_join = jnp.any(pair_ok), jnp.any(join_ok)
-  active = (count < num_mac) & (has_pair | has_join)
-  join = has_join & (~has_pair | (join_score[g, c] >= pair_score[a, b]))
-  joined = member.at[c].set(g)
-  paired = member.at[a].set(count).at[b].set(count)
-  new_member = jnp.where(join, joined, paired)
-  new_count = jnp.where(join, count, count + 1)
-  return jnp.where(active, new_member, member), jnp.where(active, new_count, count)
+  free = valid & (state.member < 0)
+  num_free = jnp.sum(free)
+  pair_score, a, b = _best_free_pair(upper, free)
+  exists = jnp.arange(num_mac) < state.count
+  join_score = jnp.where(exists[:, None] & free[None, :], _linkage(state), -jnp.inf)
+  flat = jnp.argmax(join_score.reshape(-1))
+  g, c = flat // join_score.shape[1], flat % join_score.shape[1]
+  has_pair, has_join = num_free >= 2, (state.count > 0) & (num_free >= 1)
+  active = (state.count < num_mac) & (has_pair | has_join)
+  join = has_join & (~has_pair | (join_score[g, c] >= pair_score))
+  joined = _Clustering(state.member.at[c].set(g), state.count,
+                       state.sums.at[g].add(similarity[c]),
+                       state.sizes.at[g].add(1.0))
+  opened = _Clustering(state.member.at[a].set(state.count).at[b].set(state.count),
+                       state.count + 1,
+                       state.sums.at[state.count].set(similarity[a] + similarity[b]),
+                       state.sizes.at[state.count].set(2.0))
+  new = jax.tree.map(lambda x, y: jnp.where(join, x, y), joined, opened)
+  return jax.tree.map(lambda x, y: jnp.where(active, x, y), new, state)
 
 
 def macro_classes(similarity: chex.Array, valid: chex.Array, num_mac: int,
@@ -149,21 +167,24 @@ def macro_classes(similarity: chex.Array, valid: chex.Array, num_mac: int,
   similar (frozen) cluster if the similarity exceeds `sim_threshold`.
   `similarity` holds agreement counts; `num_high` (`|H|`) turns them into
   fractions for the threshold test.
+
+  At most `M - 1` steps of `O(M^2)` (the best free pair) in a `lax.fori_loop`;
+  once no step can change the clustering, the remaining ones are no-ops.
   """
   m = similarity.shape[0]
-  member = jnp.full((m,), -1, jnp.int32)
-  member, count = jax.lax.fori_loop(
+  upper = jnp.where(jnp.triu(jnp.ones((m, m), bool), k=1), similarity, -jnp.inf)
+  start = _Clustering(jnp.full((m,), -1, jnp.int32), jnp.zeros((), jnp.int32),
+                      jnp.zeros((num_mac, m), jnp.float32),
+                      jnp.zeros((num_mac,), jnp.float32))
+  state = jax.lax.fori_loop(
       0, max(m - 1, 0),
-      lambda _, carry: _clustering_step(*carry, similarity, valid, num_mac),
-      (member, jnp.zeros((), jnp.int32)))
-  exists = jnp.arange(num_mac) < count
+      lambda _, s: _clustering_step(s, similarity, upper, valid, num_mac), start)
+  exists = jnp.arange(num_mac) < state.count
   linkage = jnp.where(exists[:, None],
-                      _cluster_similarity(member, similarity, num_mac,
-                                          jnp.maximum(num_high, 1.0)),
-                      -jnp.inf)
+                      _linkage(state, jnp.maximum(num_high, 1.0)), -jnp.inf)
   best = jnp.argmax(linkage, axis=0).astype(jnp.int32)
-  late = valid & (member < 0) & (jnp.max(linkage, axis=0) > sim_threshold)
-  return jnp.where(late, best, member)
+  late = valid & (state.member < 0) & (jnp.max(linkage, axis=0) > sim_threshold)
+  return jnp.where(late, best, state.member)
 
 
 def _cluster_vote(w: chex.Array, categories: chex.Array, member: chex.Array,
@@ -253,8 +274,8 @@ def fedsa(params: types.Stacked, num_samples: chex.Array | None = None, *,
   Notes:
     The paper's equations were lost in its text; this follows the SPEC's
     reconstruction (§2.6) and reproduces its worked examples. Clustering is at
-    most `M - 1` masked-argmax steps in a `lax.fori_loop`, so it jits with
-    static M.
+    most `M - 1` greedy steps of `O(M^2)` in a `lax.fori_loop`, so it jits
+    with static M.
 
   References:
     "FedSA: the Key of Parameter Skew in Federated Learning", Sec. 3,
