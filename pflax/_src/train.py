@@ -119,7 +119,18 @@ def _primitives(jaxpr: Any) -> Iterator[str]:
 
 
 def has_convolution(fn: Callable[..., Any], *args: Any) -> bool:
-  """Whether `fn(*args)` computes a convolution (traced on abstract values)."""
+  """Whether `fn(*args)` computes a convolution.
+
+  `fn` is traced on the shapes and dtypes of `args` (arrays, tracers or
+  `jax.ShapeDtypeStruct`s; nothing runs) and its jaxpr, nested jaxprs
+  included, is searched for `conv_general_dilated`. `make_trainer` uses it to
+  decide whether unrolling the local steps pays on XLA-CPU.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> has_convolution(lambda x: x @ x.T, jnp.ones((2, 3)))
+    False
+  """
   shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)),
                         args)
   return "conv_general_dilated" in _primitives(jax.make_jaxpr(fn)(*shapes).jaxpr)
