@@ -117,6 +117,12 @@ def _linkage(state: _Clustering, scale: chex.Numeric = 1.0) -> chex.Array:
   return state.sums / (jnp.maximum(state.sizes, 1.0)[:, None] * scale)
 
 
+def _first_argmax_2d(score: chex.Array) -> tuple[chex.Array, chex.Array]:
+  """Row and column of the first maximum in row-major order."""
+  flat = jnp.argmax(score.reshape(-1))
+  return flat // score.shape[1], flat % score.shape[1]
+
+
 def _best_free_pair(upper: chex.Array, free: chex.Array
                     ) -> tuple[chex.Array, chex.Array, chex.Array]:
   """Score, row and column of the first best pair `a < b` of free clients.
@@ -140,8 +146,7 @@ def _clustering_step(state: _Clustering, similarity: chex.Array, upper: chex.Arr
   pair_score, a, b = _best_free_pair(upper, free)
   exists = jnp.arange(num_mac) < state.count
   join_score = jnp.where(exists[:, None] & free[None, :], _linkage(state), -jnp.inf)
-  flat = jnp.argmax(join_score.reshape(-1))
-  g, c = flat // join_score.shape[1], flat % join_score.shape[1]
+  g, c = _first_argmax_2d(join_score)
   has_pair, has_join = num_free >= 2, (state.count > 0) & (num_free >= 1)
   active = (state.count < num_mac) & (has_pair | has_join)
   join = has_join & (~has_pair | (join_score[g, c] >= pair_score))
