@@ -6,8 +6,9 @@ classes per client and Dirichlet alpha = 0.1), its seeds as one
 `pflax.simulate.sweep` (each run equals `pflax.simulate.run` with its seed up
 to float rounding), and writes to `--out` (default `benchmarks/results/`):
 
-- `reproduction.md`: personalized accuracy (best and final) and global accuracy
-  where the method has a global model, mean ± std over seeds;
+- `reproduction.md`: personalized accuracy (best and final), global accuracy
+  where the method has a global model and FedDWA's exclusive models' accuracy,
+  mean ± std over seeds;
 - `reproduction-<partition>.json`: the run records in `pflax-run`'s
   `results.json` format (without the output-layer norms);
 - `reproduction.png`: mean personalized accuracy per round, one panel per
@@ -92,11 +93,10 @@ def _rows(results: dict[str, Any]) -> list[str]:
     runs = [r for r in results["runs"] if r["algorithm"] == name]
     cells = [_mean_std([r["personalized_accuracy"][k] for r in runs])
              for k in ("best", "final")]
-    if runs[0]["global_accuracy"] is None:
-      cells += ["—", "—"]
-    else:
-      cells += [_mean_std([r["global_accuracy"][k] for r in runs])
-                for k in ("best", "final")]
+    for kind, keys in (("global", ("best", "final")), ("exclusive", ("final",))):
+      summary = runs[0].get(f"{kind}_accuracy")
+      cells += [_mean_std([r[f"{kind}_accuracy"][k] for r in runs]) if summary else "—"
+                for k in keys]
     lines.append(f"| {name} | " + " | ".join(cells) + " |")
   return lines
 
@@ -131,15 +131,16 @@ def markdown(all_results: dict[str, dict[str, Any]]) -> str:
       "Personalized: sample-weighted accuracy of each client's own model on its own "
       "test split; best over rounds, and final = mean of the last "
       f"{FINAL_WINDOW} rounds. Global: the global model on all clients' "
-      "test splits (FedAvg, FedProx, FedSA; FedDWA's exclusive models), `—` where "
-      "the method has none. The seed sets the partition, the split, the "
-      "initialisation and the shuffles.",
+      "test splits (FedAvg, FedProx, FedSA; FedClassAvg's averaged classifier on "
+      "each client's own features), `—` where the method has none. Exclusive: "
+      "FedDWA's exclusive models, one per client. The seed sets the partition, "
+      "the split, the initialisation and the shuffles.",
   ]
   for partition, results in all_results.items():
     lines += ["", f"## {PARTITIONS[partition]}", "",
               "| algorithm | personalized best | personalized final | global best "
-              "| global final |",
-              "|---|---:|---:|---:|---:|"]
+              "| global final | exclusive final |",
+              "|---|---:|---:|---:|---:|---:|"]
     lines += _rows(results)
   elapsed = sum(r["seconds"] for r in all_results.values())
   lines += ["", f"Ran in {elapsed / 60:.1f} min on {platform.machine()} "

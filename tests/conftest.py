@@ -5,3 +5,22 @@ import jax
 # Compiling partitionable threefry sampling of multi-dimensional shapes takes
 # ~10 s per shape on XLA-CPU (jax 0.10); the classic scheme compiles in <1 s.
 jax.config.update("jax_threefry_partitionable", False)
+
+# Hypothesis profiles (tests/test_properties.py). The default run is bounded and
+# deterministic (the same examples every run, so it cannot flake); CI's slow
+# pass sets HYPOTHESIS_PROFILE=ci for a much larger, randomised search.
+import os
+
+from hypothesis import HealthCheck
+from hypothesis import Phase
+from hypothesis import settings
+
+_SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large]
+_PHASES = [Phase.explicit, Phase.generate, Phase.shrink]   # explain: minutes
+settings.register_profile(
+    "pflax", max_examples=6, deadline=None, derandomize=True, database=None,
+    phases=_PHASES, suppress_health_check=_SLOW_OK)
+settings.register_profile(
+    "ci", max_examples=150, deadline=None, database=None, print_blob=True,
+    phases=_PHASES, suppress_health_check=_SLOW_OK)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "pflax"))

@@ -173,16 +173,22 @@ def cosine_matrix(vectors: np.ndarray) -> np.ndarray:
 
 
 def feddwa_weights_ref(params, received, alpha=0.2, temperature=1.0):
-  """FedDWA Eq. (3)-(6) as settled in SPEC 2.4 (softmax over k != i, self alpha)."""
+  """FedDWA Eq. (3)-(6) as settled in SPEC 2.4 (softmax over k != i, self alpha).
+
+  Each peer softmax is shifted by its largest `s_ik / T` (k != i) before `exp`,
+  which leaves it unchanged mathematically and keeps T -> 0 finite in float64.
+  """
   s = cosine_matrix(flat_clients(params) - flat_clients(received))
   m = s.shape[0]
   if m == 1:
     return np.ones((1, 1))
   beta = np.zeros((m, m))
   for i in range(m):
-    denom = sum(np.exp(s[i, k] / temperature) for k in range(m) if k != i)
+    top = max(s[i, k] / temperature for k in range(m) if k != i)
+    denom = sum(np.exp(s[i, k] / temperature - top) for k in range(m) if k != i)
     for j in range(m):
-      beta[i, j] = alpha if j == i else (1 - alpha) * np.exp(s[i, j] / temperature) / denom
+      beta[i, j] = alpha if j == i else (
+          (1 - alpha) * np.exp(s[i, j] / temperature - top) / denom)
   return beta
 
 
@@ -207,25 +213,32 @@ def soft_logits_ref(logits, temperature=0.5):
 
 
 def relevance_ref(soft):
-  """FedReMa Eq. (5): cosine similarity of soft logits, diagonal 1."""
-  s = cosine_matrix(np.asarray(soft, np.float64))
+  """FedReMa Eq. (5): cosine similarity of soft logits in [0, 1], diagonal 1."""
+  s = np.clip(cosine_matrix(np.asarray(soft, np.float64)), 0.0, 1.0)
   np.fill_diagonal(s, 1.0)
   return s
 
 
+MDS_TIE = 2.0 ** -17   # pflax.fedrema: similarities this close count as equal
+
+
 def mds_ref(s_row):
-  """SPEC 2.5's settled MDS: stable ascending sort, drop the top gap, cut at the
-  first largest remaining gap, select every client above the cut."""
+  """SPEC 2.5's settled MDS: ascending sort, drop the top gap, cut at the first
+  largest remaining gap, select every client above the cut.
+
+  With `fedrema.mds`'s documented rule against rounding: gaps up to `MDS_TIE`
+  are 0, a gap within `MDS_TIE` of the largest ties with it, and every client
+  within `MDS_TIE` of the lowest selected one is selected (ties by value).
+  """
   s = np.asarray(s_row, np.float64)
   m = len(s)
   if m <= 2:
     return np.ones(m, bool), 0.0
-  order = sorted(range(m), key=lambda i: s[i])      # Python's sort is stable
-  gaps = [s[order[t + 1]] - s[order[t]] for t in range(m - 2)]   # top gap excluded
-  cut = max(range(len(gaps)), key=lambda t: (gaps[t], -t))       # first maximum
-  selected = np.zeros(m, bool)
-  for t in range(cut + 1, m):
-    selected[order[t]] = True
+  ascending = sorted(s)
+  gaps = [ascending[t + 1] - ascending[t] for t in range(m - 2)]  # top gap excluded
+  gaps = [g if g > MDS_TIE else 0.0 for g in gaps]
+  cut = min(t for t in range(len(gaps)) if gaps[t] >= max(gaps) - MDS_TIE)
+  selected = np.array([s[i] >= ascending[cut + 1] - MDS_TIE for i in range(m)])
   return selected, gaps[cut]
 
 
@@ -279,8 +292,11 @@ def fedsa_clusters(sim, num_mac: int, sim_threshold: float) -> list[list[int]]:
   """SPEC 2.6 step 5 with exact rational similarities.
 
   Pairs are ranked by similarity, then lowest `(a, b)`; joins by similarity, then
-  lowest `(cluster, client)`.
+  lowest `(cluster, client)`. `sim_threshold` is read as the decimal it prints as
+  (`Fraction(str(t))`), so a linkage equal to it is never above it, whichever
+  way the float rounds.
   """
+  threshold = Fraction(str(sim_threshold))
   m = len(sim)
   free = list(range(m))
   clusters: list[list[int]] = []
@@ -306,7 +322,7 @@ def fedsa_clusters(sim, num_mac: int, sim_threshold: float) -> list[list[int]]:
       break
     links = [_mean(sim[i][c] for i in g) for g in frozen]
     best = max(range(len(links)), key=lambda g: (links[g], -g))
-    if links[best] > sim_threshold:
+    if links[best] > threshold:
       clusters[best].append(c)
   return clusters
 
@@ -387,3 +403,221 @@ def assert_tree_close(actual, expected, rtol=2e-5, atol=2e-5):
     assert np.shape(a) == np.shape(e), (np.shape(a), np.shape(e))
     np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(e, np.float64),
                                rtol=rtol, atol=atol)
+
+
+# ------------------------------------------------------------- client losses
+
+
+def cross_entropy_ref(logits, labels, mask=None):
+  """Softmax cross-entropy `-log softmax(z)_y`, averaged over the valid examples."""
+  logits = np.asarray(logits, np.float64)
+  mask = np.ones(len(labels), bool) if mask is None else np.asarray(mask, bool)
+  terms = []
+  for row, label, valid in zip(logits, labels, mask):
+    if valid:
+      top = row.max()
+      terms.append(-(row[label] - top - np.log(np.exp(row - top).sum())))
+  return sum(terms) / max(len(terms), 1)
+
+
+def supcon_ref(features, labels, temperature, base_temperature, mask=None):
+  """Khosla et al. (2020) Eq. 2 (L_out), one anchor at a time; anchors without a
+  positive are skipped, padded examples are neither anchors nor contrasted."""
+  z = np.asarray(features, np.float64)
+  n = len(labels)
+  mask = np.ones(n, bool) if mask is None else np.asarray(mask, bool)
+  per_anchor = []
+  for i in range(n):
+    others = [a for a in range(n) if a != i and mask[a]]
+    positives = [p for p in others if labels[p] == labels[i]]
+    if not mask[i] or not positives:
+      continue
+    log_den = np.log(sum(np.exp(z[i] @ z[a] / temperature) for a in others))
+    mean_log_prob = sum(z[i] @ z[p] / temperature - log_den
+                        for p in positives) / len(positives)
+    per_anchor.append(-(temperature / base_temperature) * mean_log_prob)
+  return sum(per_anchor) / len(per_anchor) if per_anchor else 0.0
+
+
+def proximal_ref(params, anchor, reduce="sum"):
+  """`0.5 * sum_leaves sum((p - a)^2)`, or with "mean" each leaf's mean instead."""
+  total = 0.0
+  for p, a in zip(leaves(params), leaves(anchor)):
+    sq = (p - a) ** 2
+    total += sq.sum() if reduce == "sum" else sq.sum() / sq.size
+  return 0.5 * total
+
+
+# ------------------------------------------- property tests (test_properties.py)
+
+
+def mix_ref(weights, stacked):
+  """`out[o] = sum_m weights[o, m] stacked[m]` by an explicit loop (SPEC 1)."""
+  w = np.asarray(weights, np.float64)
+  return map_leaves(lambda x: np.stack([weighted_sum(w[o], x) for o in range(len(w))]),
+                    stacked)
+
+
+def finite_clients_ref(stacked) -> np.ndarray:
+  """True for clients whose every leaf entry is finite."""
+  flat = [np.asarray(x, np.float64).reshape(np.shape(x)[0], -1)
+          for x in jax.tree.leaves(stacked)]
+  return np.array([all(np.all(np.isfinite(x[i])) for x in flat)
+                   for i in range(flat[0].shape[0])])
+
+
+def _dot(a, b) -> float:
+  """Loop dot product: the same operations for equal rows, so `<a,a> == <a,b>`."""
+  out = 0.0
+  for x, y in zip(a, b):
+    out += float(x) * float(y)
+  return out
+
+
+def relevance_exact_ref(soft):
+  """FedReMa Eq. (5) with identical rows at exactly 1.
+
+  `cos = <a,b> / sqrt(<a,a> <b,b>)`: for equal rows `<a,b> = <a,a>` and the
+  correctly rounded `sqrt(x * x)` is `x`, so the cosine is exactly 1 (a tie,
+  not a rounding gap); values are clipped to 1 and the diagonal is 1. Rows of
+  zeros have cosine 0 with everything.
+  """
+  s = np.asarray(soft, np.float64)
+  m = s.shape[0]
+  out = np.eye(m)
+  for a in range(m):
+    for b in range(m):
+      na, nb = _dot(s[a], s[a]), _dot(s[b], s[b])
+      if a != b and na > 0 and nb > 0:
+        out[a, b] = min(1.0, _dot(s[a], s[b]) / np.sqrt(na * nb))
+  return out
+
+
+def _mds_sorted(values):
+  """Sorted values, gaps without the top one, and the first largest gap's index."""
+  values = sorted(values)
+  gaps = [values[t + 1] - values[t] for t in range(len(values) - 2)]
+  cut = max(range(len(gaps)), key=lambda t: (gaps[t], -t))
+  return values, gaps, cut
+
+
+def mds_value_ref(s_row, valid=None):
+  """SPEC 2.5's MDS among `valid` clients, ties resolved by value (`mds` Notes).
+
+  Sort ascending, drop the top gap, cut at the first largest remaining gap and
+  select every valid client whose similarity is at least the value just above
+  the cut, so equal similarities are selected together. With at most two
+  valid clients, all valid ones are selected with gap 0.
+  """
+  s = np.asarray(s_row, np.float64)
+  valid = np.ones(len(s), bool) if valid is None else np.asarray(valid, bool)
+  if valid.sum() <= 2:
+    return valid.copy(), 0.0
+  values, gaps, cut = _mds_sorted(s[valid])
+  return valid & (s >= values[cut + 1]), gaps[cut]
+
+
+def fedrema_masked_ref(params, num_samples, soft, dependency, max_gap, in_ccp,
+                       delta=0.5, mask=None, selected=None):
+  """One FedReMa server round with a client mask (SPEC 2.5, issue 11 item 9).
+
+  Leaves not `selected` (the feature extractor): FedAvg with `n_i` over the
+  valid clients, given to every client, masked ones included. Classifier
+  leaves: in the CCP each valid client k mixes its MDS peers (`mds_value_ref`
+  on `relevance_exact_ref`, Eq. 7) and `dependency[k, A_k] += 1`; after it,
+  `g_ki / sum_i g_ki` over valid peers (Eq. 10; a zero row keeps its own).
+  Masked clients keep their classifier and their history. Returns
+  `(params, dependency, max_gap, in_ccp)`.
+  """
+  m = leaves(params)[0].shape[0]
+  valid = np.ones(m, bool) if mask is None else np.asarray(mask, bool)
+  selected = selected or classifier_flags(params)
+  n = np.ones(m) if num_samples is None else np.asarray(num_samples, np.float64)
+  n = np.where(valid, n, 0.0)
+  dependency = np.array(dependency, np.int64)
+  mixing = np.eye(m)
+  if in_ccp:
+    keep = np.flatnonzero(valid)
+    s = np.zeros((m, m))
+    s[np.ix_(keep, keep)] = relevance_exact_ref(np.asarray(soft, np.float64)[keep])
+    gaps = []
+    for k in keep:
+      chosen, gap = mds_value_ref(s[k], valid)
+      gaps.append(gap)
+      mixing[k] = np.where(chosen, n, 0.0) / sum(n[i] for i in range(m) if chosen[i])
+      dependency[k] += chosen
+    gap_bar = sum(gaps) / len(gaps)
+    max_gap = max(float(max_gap), gap_bar)
+    in_ccp = bool(max_gap > 0 and gap_bar / max_gap >= delta)
+  else:
+    for k in np.flatnonzero(valid):
+      row = np.where(valid, dependency[k], 0).astype(np.float64)
+      if row.sum() > 0:
+        mixing[k] = row / row.sum()
+  p = n / n.sum()
+  out = []
+  for flag, x in zip(selected, leaves(params)):
+    if flag:
+      mixed = [weighted_sum(mixing[k], np.where(
+          valid.reshape((-1,) + (1,) * (x.ndim - 1)), x, 0.0)) for k in range(m)]
+      out.append(np.stack([mixed[k] if valid[k] else x[k] for k in range(m)]))
+    else:
+      x = np.where(valid.reshape((-1,) + (1,) * (x.ndim - 1)), x, 0.0)
+      out.append(np.stack([weighted_sum(p, x)] * m))
+  return unflatten_like(params, out), dependency, max_gap, in_ccp
+
+
+def fedrema_margin(soft, mask, max_gap, in_ccp, delta=0.5) -> float:
+  """How far one FedReMa CCP round is from a decision that rounding could flip.
+
+  0 when two unequal similarities of a row, two candidate gaps, or the CCP
+  ratio and `delta` are closer than float32 can tell apart, or when two
+  non-identical clients have exactly equal similarities; otherwise the
+  smallest such distance (inf if no decision depends on a comparison).
+  Identical soft rows are exact ties (`relevance_exact_ref`) and need no margin.
+  """
+  if not in_ccp:
+    return np.inf
+  soft = np.asarray(soft, np.float64)
+  valid = np.asarray(mask, bool)
+  keep = np.flatnonzero(valid)
+  if len(keep) <= 2:
+    return np.inf                            # gap 0: no comparison decides
+  s = relevance_exact_ref(soft[keep])
+  margin, gaps = np.inf, []
+  for k in range(len(keep)):
+    row = s[k]
+    for a in range(len(keep)):
+      for b in range(a + 1, len(keep)):
+        same = np.array_equal(soft[keep[a]], soft[keep[b]])
+        if row[a] == row[b] and not same:
+          return 0.0
+        if row[a] != row[b]:
+          margin = min(margin, abs(row[a] - row[b]))
+    _, row_gaps, cut = _mds_sorted(row)
+    for t, g in enumerate(row_gaps):
+      if t != cut and g != row_gaps[cut]:
+        margin = min(margin, row_gaps[cut] - g)
+      elif t != cut and g > 0:
+        return 0.0                           # equal non-zero gaps: first wins
+    gaps.append(row_gaps[cut])
+  gap_bar = sum(gaps) / len(gaps)
+  new_max = max(float(max_gap), gap_bar)
+  if new_max > 0:
+    margin = min(margin, new_max, abs(gap_bar - delta * new_max))
+  return margin
+
+
+def fedsa_cv_margin(w, cv_threshold=0.2, ddof=1) -> float:
+  """Smallest relative distance of a position's coefficient of variation from
+  the threshold (SPEC 2.6 step 1), computed in float64 on one leaf `(M, ...)`."""
+  w = np.asarray(w, np.float64).reshape(np.shape(w)[0], -1)
+  m = w.shape[0]
+  if m - ddof <= 0:
+    return np.inf
+  mu = w.mean(axis=0)
+  sigma = np.sqrt(((w - mu) ** 2).sum(axis=0) / (m - ddof))
+  cv = sigma / (np.abs(mu) + 1e-12)
+  return float(np.min(np.abs(cv - cv_threshold)) / max(cv_threshold, 1e-12))
+
+

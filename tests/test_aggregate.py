@@ -289,3 +289,120 @@ def test_feddwa_gradients_finite_with_zero_update():
   jtu.check_grads(
       jax.jit(lambda p: agg.feddwa(p, start, alpha=0.3)["w"]), (small,), order=1,
       modes=("rev",), atol=5e-2, rtol=5e-2, eps=1e-2)
+
+
+# ------------------------------------------------- issue 11: magnitudes and dtypes
+
+
+def test_counts_near_float32_max():
+  # Their sums overflow float32: today's fedavg returned zeros and cw_fedavg NaN.
+  rng = np.random.default_rng(8)
+  params = ref.random_params(rng, 3)
+  n = np.array([3e38, 1e38, 2e38], np.float32)
+  assert_tree_close(agg.fedavg(params, n), ref.fedavg_ref(params, n))
+  assert_tree_close(agg.fedclassavg(params, n), ref.fedclassavg_ref(params, n))
+  counts = np.array([[3e38, 1e38], [1e38, 3e38], [2e38, 0.0]], np.float32)
+  assert_tree_close(agg.cw_fedavg(params, counts), ref.cw_fedavg_ref(params, counts))
+  assert_tree_close(agg.class_models(params, counts),
+                    ref.class_models_ref(params, counts))
+  models = ref.class_models_ref(params, counts)
+  assert_tree_close(agg.personalize(jax.tree.map(np.float32, models), counts),
+                    ref.personalize_ref(models, counts))
+
+
+@pytest.mark.parametrize("scale", [1e19, 1e30, 1e-30])
+def test_estimate_class_dist_any_magnitude(scale):
+  rng = np.random.default_rng(9)
+  kernel = (rng.normal(size=(2, 6, 4)) * scale).astype(np.float32)
+  out = agg.estimate_class_dist(kernel)
+  np.testing.assert_allclose(out, ref.estimate_class_dist_ref(kernel), rtol=1e-5)
+  grad = jax.grad(lambda k: jnp.sum(agg.estimate_class_dist(k)[0] ** 2))(kernel)
+  assert np.all(np.isfinite(grad))
+
+
+def test_float64_parameters_get_float64_weights():
+  # SPEC section 1: weights in the wider dtype. Float32 weights (1/3 rounded)
+  # give a relative error of ~3e-8; float64 ones agree to ~1e-15.
+  with jax.enable_x64(True):
+    rng = np.random.default_rng(10)
+    params = ref.random_params(rng, 3, dtype=np.float64)
+    n = np.array([1.0, 1.0, 1.0])
+    counts = rng.integers(1, 9, size=(3, 4)).astype(np.float64)
+    received = jax.tree.map(lambda x: x + rng.normal(size=x.shape), params)
+    close = functools.partial(assert_tree_close, rtol=1e-12, atol=1e-12)
+    close(agg.fedavg(params, n), ref.fedavg_ref(params, n))
+    close(ptree.weighted_mean(params, n), ref.fedavg_ref(params, n))
+    close(agg.fedclassavg(params, n), ref.fedclassavg_ref(params, n))
+    close(agg.cw_fedavg(params, counts), ref.cw_fedavg_ref(params, counts))
+    close(agg.class_models(params, counts), ref.class_models_ref(params, counts))
+    close(agg.personalize(params, counts[:, :3]),
+          ref.personalize_ref(params, counts[:, :3]))
+    close(agg.feddwa(params, received), ref.feddwa_ref(params, received))
+    kernel = params["classifier"]["output"]["kernel"]
+    np.testing.assert_allclose(agg.estimate_class_dist(kernel),
+                               ref.estimate_class_dist_ref(kernel), rtol=1e-12)
+    assert agg.fedavg(params, n)["features"]["dense"].dtype == jnp.float64
+
+
+def test_eager_calls_run_one_compiled_program():
+  # Issue 11, item 17: without an outer jit, each public function validates on
+  # the host and runs one jitted program, instead of dispatching (and, on new
+  # shapes, compiling) every primitive separately. Fresh shapes (M = 7 and odd
+  # leaf sizes, used nowhere else) count the programs compiled by a first call.
+  rng = np.random.default_rng(11)
+  m = 7
+  params = {"features": {"w": rng.normal(size=(m, 3, 13)).astype(np.float32)},
+            "classifier": {"b": rng.normal(size=(m, 17)).astype(np.float32)}}
+  received = jax.tree.map(lambda x: x + 1.0, params)
+  n = np.arange(1.0, m + 1, dtype=np.float32)
+  counts = rng.integers(1, 5, size=(m, 11)).astype(np.float32)
+  calls = {
+      "fedavg": lambda: agg.fedavg(params, n),
+      "fedclassavg": lambda: agg.fedclassavg(params, n),
+      "cw_fedavg": lambda: agg.cw_fedavg(params, counts),
+      "class_models": lambda: agg.class_models(params, counts),
+      "personalize": lambda: agg.personalize(params, counts[:5, :m]),
+      "estimate_class_dist": lambda: agg.estimate_class_dist(params["features"]["w"]),
+      "feddwa": lambda: agg.feddwa(params, received),
+      "mix": lambda: ptree.mix(np.ones((3, m), np.float32), params),
+      "weighted_mean": lambda: ptree.weighted_mean(params, n),
+      "cosine_similarity": lambda: ptree.cosine_similarity(params),
+      "finite_clients": lambda: ptree.finite_clients(params),
+  }
+  compiled = []
+
+  def listener(event, duration, **kwargs):
+    del duration, kwargs
+    if event == "/jax/core/compile/backend_compile_duration":
+      compiled.append(event)
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    for name, call in calls.items():
+      compiled.clear()
+      jax.block_until_ready(call())
+      # One program, plus at most one for staging a NumPy input (feddwa's
+      # second is its finiteness check of `received`).
+      assert len(compiled) <= 2, (name, len(compiled))
+      compiled.clear()
+      jax.block_until_ready(call())
+      assert not compiled, name
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def test_masked_clients_statistics_are_ignored_under_jit():
+  # A masked client's class counts may be garbage (NaN) like its parameters:
+  # the unmasked clients get exactly their subset's result.
+  rng = np.random.default_rng(12)
+  params = ref.random_params(rng, 4)
+  counts = _counts(rng, 4, 3).astype(np.float32)
+  counts[1] = np.nan
+  mask = np.array([True, False, True, True])
+  keep = np.flatnonzero(mask)
+  subset = jax.tree.map(lambda x: x[keep], params)
+  out = jax.jit(agg.cw_fedavg)(params, counts, mask=mask)
+  assert_tree_close(jax.tree.map(lambda x: x[keep], out),
+                    ref.cw_fedavg_ref(subset, counts[keep]))
+  assert_tree_close(jax.jit(agg.class_models)(params, counts, mask=mask),
+                    ref.class_models_ref(subset, counts[keep]))

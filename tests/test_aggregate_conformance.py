@@ -68,6 +68,9 @@ class Case:
   make_params: Callable = _params
   stat_axes: Callable[[dict], Any] = lambda stats: jax.tree.map(lambda _: (0,), stats)
   extra_axes: Any = None
+  # Leaves a masked client keeps; the others are broadcast to every client (FedReMa
+  # sends its averaged feature extractor to all clients, Alg. 2 line 19).
+  masked_keeps: Any = None
 
   def __repr__(self):
     return self.name
@@ -113,11 +116,13 @@ CASES = [
     Case("fedrema_ccp", _fedrema,
          lambda rng, m, p: {"n": rng.integers(1, 9, m).astype(np.float32),
                             "soft": _soft(rng, m), "state": agg.fedrema_init(m)},
-         personal=True, stat_axes=_fedrema_axes, extra_axes=_STATE_AXES),
+         personal=True, stat_axes=_fedrema_axes, extra_axes=_STATE_AXES,
+         masked_keeps=ptree.under("classifier")),
     Case("fedrema_history", _fedrema,
          lambda rng, m, p: {"n": rng.integers(1, 9, m).astype(np.float32),
                             "soft": _soft(rng, m), "state": _history_state(rng, m)},
-         personal=True, stat_axes=_fedrema_axes, extra_axes=_STATE_AXES),
+         personal=True, stat_axes=_fedrema_axes, extra_axes=_STATE_AXES,
+         masked_keeps=ptree.under("classifier")),
     Case("fedsa",
          lambda p, s, mask: (agg.fedsa(p, num_mac=2, mask=mask), None),
          lambda rng, m, p: {}, personal=False, make_params=_fedsa_params),
@@ -261,8 +266,13 @@ def test_mask_equals_unmasked_subset(case):
   assert _shapes(masked) == _shapes(_jit(case)(params, stats, None))
   if case.personal:
     _assert_close(_take_params(masked[0], KEEP), subset[0])
-    for new, old in zip(jax.tree.leaves(masked[0]), jax.tree.leaves(params)):
-      np.testing.assert_array_equal(np.asarray(new)[~MASK], old[~MASK])
+    for new, old, sub in zip(jax.tree_util.tree_leaves_with_path(masked[0]),
+                             jax.tree.leaves(params), jax.tree.leaves(subset[0])):
+      path, new = new
+      kept = case.masked_keeps is None or case.masked_keeps(
+          tuple(getattr(k, "key", str(k)) for k in path), new)
+      expected = old[~MASK] if kept else np.broadcast_to(sub[0], old[~MASK].shape)
+      np.testing.assert_array_equal(np.asarray(new)[~MASK], expected)
   else:
     _assert_close(masked[0], subset[0])
   if case.extra_axes is not None:

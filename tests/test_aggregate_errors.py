@@ -20,6 +20,13 @@ def _counts(m=M, k=K):
   return np.ones((m, k), np.float32)
 
 
+def _with_nan(tree, client):
+  """A copy of `tree` whose first leaf is NaN for one client."""
+  tree = jax.tree.map(np.copy, tree)
+  jax.tree.leaves(tree)[0][client] = np.nan
+  return tree
+
+
 P = _params()
 N = np.array([1.0, 2.0, 3.0])
 SOFT = np.full((M, 5), 0.2, np.float32)
@@ -138,6 +145,63 @@ BAD_INPUTS = [
     ("fedrema_init", lambda: agg.fedrema_init(0), ValueError, "num_clients"),
     ("probe_feature_dim", lambda: agg.probe_logits(lambda p, h: h, P, jax.random.key(0),
                                                    0), ValueError, "feature_dim"),
+    # Zero total weight (issue 11, item 4): concrete inputs name the cause.
+    ("zero_weight_fedavg", lambda: agg.fedavg(P, np.zeros(M)), ValueError,
+     "num_samples.*weight 0"),
+    ("zero_weight_unmasked_fedavg", lambda: agg.fedavg(
+        P, np.array([0.0, 5.0, 0.0]), mask=np.array([True, False, True])), ValueError,
+     "num_samples.*unmasked"),
+    ("all_masked_fedavg", lambda: agg.fedavg(P, mask=np.zeros(M, bool)), ValueError,
+     "mask is all False"),
+    ("all_masked_fedsa", lambda: agg.fedsa(P, mask=np.zeros(M, bool)), ValueError,
+     "mask is all False"),
+    ("zero_weight_fedclassavg", lambda: agg.fedclassavg(P, np.zeros(M)), ValueError,
+     "num_samples"),
+    ("all_masked_class_models", lambda: agg.class_models(
+        P, _counts(), mask=np.zeros(M, bool)), ValueError, "mask is all False"),
+    ("zero_class_dist_cw", lambda: agg.cw_fedavg(P, np.zeros((M, K))), ValueError,
+     "class_dist.*weight 0"),
+    ("zero_num_samples_cw", lambda: agg.cw_fedavg(P, _counts(), np.zeros(M)),
+     ValueError, "num_samples.*weight 0"),
+    ("zero_weights_weighted_mean", lambda: ptree.weighted_mean(P, np.zeros(M)),
+     ValueError, "weights.*weight 0"),
+    # No clients or no classes (item 6): not a ZeroDivisionError.
+    ("no_clients_fedavg", lambda: agg.fedavg({"w": np.zeros((0, 2), np.float32)}),
+     ValueError, "params has M = 0"),
+    ("no_clients_cw", lambda: agg.cw_fedavg({"w": np.zeros((0, 2), np.float32)},
+                                            np.zeros((0, K))), ValueError, "M = 0"),
+    ("no_clients_feddwa", lambda: agg.feddwa({"w": np.zeros((0, 2), np.float32)},
+                                             {"w": np.zeros((0, 2), np.float32)}),
+     ValueError, "M = 0"),
+    ("no_clients_weighted_mean", lambda: ptree.weighted_mean(
+        {"w": np.zeros((0, 2), np.float32)}), ValueError, "stacked has M = 0"),
+    ("no_classes_cw", lambda: agg.cw_fedavg(P, np.zeros((M, 0))), ValueError,
+     r"class_dist.*K >= 1"),
+    ("no_classes_class_models", lambda: agg.class_models(P, np.zeros((M, 0))),
+     ValueError, r"class_dist.*K >= 1"),
+    ("no_classes_personalize", lambda: agg.personalize(
+        {"w": np.zeros((0, 2), np.float32)}, np.zeros((M, 0))), ValueError,
+     "class_models has M = 0"),
+    ("no_classes_estimate", lambda: agg.estimate_class_dist(np.zeros((3, 0), np.float32)),
+     ValueError, r"kernel.*K >= 1"),
+    # Complex parameters (item 6).
+    ("complex_fedavg", lambda: agg.fedavg({"w": np.ones((M, 2), np.complex64)}),
+     TypeError, "params.*complex64"),
+    ("complex_cw", lambda: agg.cw_fedavg({"w": np.ones((M, 2), np.complex64)},
+                                         _counts()), TypeError, "params"),
+    ("complex_fedsa", lambda: agg.fedsa({"w": np.ones((M, 2), np.complex64)}),
+     TypeError, "params"),
+    ("complex_received", lambda: agg.feddwa(
+        P, jax.tree.map(lambda x: x.astype(np.complex64), P)), TypeError, "received"),
+    ("complex_kernel", lambda: agg.estimate_class_dist(np.ones((2, K), np.complex64)),
+     TypeError, "kernel"),
+    # A mask that is neither (M,) nor bool, given as a Python list.
+    ("mask_list_len", lambda: agg.fedavg(P, mask=[True, False]), ValueError, "mask"),
+    ("mask_list_int", lambda: agg.cw_fedavg(P, _counts(), mask=[1, 0, 1]), TypeError,
+     "mask"),
+    # A non-finite `received` of a client that is not masked (item 6).
+    ("received_nan", lambda: agg.feddwa(P, _with_nan(P, 1)), ValueError,
+     r"received: clients \[1\]"),
 ]
 
 
@@ -187,3 +251,95 @@ def test_tree_errors():
     ptree.finite_clients({})
   with pytest.raises(ValueError, match="weights"):
     ptree.mix(np.ones(M), P)
+
+
+# ------------------------------------------- issue 11: zero weight, masks, selectors
+
+
+def test_traced_zero_weight_gives_documented_finite_result():
+  # Inside jit the concrete check cannot run: global aggregators return zeros,
+  # personalized ones return `params` unchanged (never NaN).
+  zeros, none = np.zeros(M, np.float32), np.zeros(M, bool)
+  cases = [
+      (lambda n: agg.fedavg(P, n), zeros, "zeros"),
+      (lambda m: agg.fedavg(P, N, mask=m), none, "zeros"),
+      (lambda n: agg.class_models(P, _counts(), n), zeros, "zeros"),
+      (lambda w: ptree.weighted_mean(P, w), zeros, "zeros"),
+      (lambda n: agg.fedclassavg(P, n), zeros, "params"),
+      (lambda m: agg.fedclassavg(P, N, mask=m), none, "params"),
+      (lambda c: agg.cw_fedavg(P, c), np.zeros((M, K), np.float32), "params"),
+      (lambda n: agg.cw_fedavg(P, _counts(), n), zeros, "params"),
+      (lambda m: agg.cw_fedavg(P, _counts(), mask=m), none, "params"),
+  ]
+  for fn, arg, expected in cases:
+    out = jax.jit(fn)(arg)
+    for leaf, x in zip(jax.tree.leaves(out), jax.tree.leaves(P)):
+      want = x if expected == "params" else np.zeros(np.shape(leaf))
+      np.testing.assert_array_equal(leaf, want)
+
+
+def test_mask_given_as_a_python_list():
+  mask = [True, False, True]
+  received = jax.tree.map(lambda x: x + 1.0, P)
+  calls = [
+      lambda m: agg.fedavg(P, N, mask=m),
+      lambda m: agg.fedclassavg(P, N, mask=m),
+      lambda m: agg.cw_fedavg(P, _counts(), mask=m),
+      lambda m: agg.class_models(P, _counts(), mask=m),
+      lambda m: agg.feddwa(P, received, mask=m),
+  ]
+  for call in calls:
+    for a, b in zip(jax.tree.leaves(call(mask)),
+                    jax.tree.leaves(call(np.array(mask)))):
+      np.testing.assert_array_equal(a, b)
+
+
+def _flax_cnn(m=M):
+  """Parameters shaped like a plain Flax CNN: no `features` / `classifier` names."""
+  rng = np.random.default_rng(1)
+  leaf = lambda *s: rng.normal(size=(m,) + s).astype(np.float32)
+  return {"Conv_0": {"kernel": leaf(3, 3, 1, 2), "bias": leaf(2)},
+          "Dense_0": {"kernel": leaf(4, 3), "bias": leaf(3)},
+          "Dense_1": {"kernel": leaf(3, K), "bias": leaf(K)}}
+
+
+def test_selector_that_selects_nothing_names_where_and_lists_keys():
+  cnn = _flax_cnn()
+  nothing = jax.tree.map(lambda _: False, cnn)
+  calls = [
+      lambda: agg.cw_fedavg(cnn, _counts(), where=ptree.under("classifier", "output")),
+      lambda: agg.cw_fedavg(cnn, _counts(), where=ptree.under("Dense_9")),   # a typo
+      lambda: agg.cw_fedavg(cnn, _counts(), where=nothing),
+      lambda: agg.fedclassavg(cnn, N),                # default under("classifier")
+      lambda: agg.fedclassavg(cnn, N, where=nothing),
+  ]
+  for call in calls:
+    with pytest.raises(ValueError, match="where selects no leaf") as err:
+      call()
+    for key in ("Conv_0", "Dense_0", "Dense_1"):
+      assert key in str(err.value)
+  # A selector that matches works as before (and None still selects everything).
+  out = agg.fedclassavg(cnn, N, where=ptree.under("Dense_1"))
+  np.testing.assert_array_equal(out["Conv_0"]["kernel"], cnn["Conv_0"]["kernel"])
+  assert np.allclose(out["Dense_1"]["bias"], out["Dense_1"]["bias"][0])
+  agg.cw_fedavg(cnn, _counts(), where=None)
+
+
+def test_unstacked_list_of_clients_points_to_tree_stack():
+  clients = [jax.tree.map(lambda x, i=i: x[i], P) for i in range(M)]
+  n = np.ones(M, np.float32)
+  calls = [
+      lambda p: agg.fedavg(p), lambda p: agg.fedclassavg(p),
+      lambda p: agg.cw_fedavg(p, _counts()), lambda p: agg.class_models(p, _counts()),
+      lambda p: agg.feddwa(p, p), lambda p: agg.fedsa(p),
+      lambda p: agg.fedrema(p, n, SOFT, STATE), lambda p: ptree.weighted_mean(p),
+      lambda p: ptree.mix(np.ones((1, M)), p),
+  ]
+  for call in calls:
+    for seq in (clients, tuple(clients)):
+      with pytest.raises(TypeError, match=r"pflax\.tree\.stack"):
+        call(seq)
+  # A model whose top level is a list of parts with different shapes is fine.
+  parts = [{"w": np.ones((M, 2), np.float32)}, {"w": np.ones((M, 5), np.float32)}]
+  out = agg.fedavg(parts, N)
+  np.testing.assert_allclose(out[1]["w"], np.ones(5))

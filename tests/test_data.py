@@ -97,6 +97,38 @@ def test_dirichlet_alpha_controls_skew(labels):
   assert np.mean(iid.max(axis=0) / iid.sum(axis=0)) < 0.15
 
 
+class _FixedDraws:
+  """A stand-in for `np.random.default_rng`: reverses every class, fixed proportions."""
+
+  def __init__(self, proportions):
+    self.proportions = list(proportions)
+    self.alphas = []
+
+  def permutation(self, x):
+    return np.asarray(x)[::-1]
+
+  def dirichlet(self, alpha):
+    self.alphas.append(np.asarray(alpha))
+    return np.asarray(self.proportions.pop(0))
+
+
+def test_dirichlet_cut_points_by_hand(monkeypatch):
+  """Class k's shuffled samples are cut at `floor(n_k * cumsum(q_k))[:-1]`."""
+  labels = np.array([0] * 10 + [1] * 5)
+  draws = _FixedDraws([[0.36, 0.29, 0.35],    # n = 10: cuts floor(3.6, 6.5) = 3, 6
+                       [0.5, 0.14, 0.36]])    # n = 5: cuts floor(2.5, 3.2) = 2, 3
+  monkeypatch.setattr(np.random, "default_rng", lambda seed: draws)
+  part = data.dirichlet(labels, 3, 0.7, min_partition_size=0, max_tries=1)
+  # Class 0 shuffled to 9..0 -> [9 8 7 | 6 5 4 | 3 2 1 0]; class 1 to 14..10 ->
+  # [14 13 | 12 | 11 10].
+  expected = [[7, 8, 9, 13, 14], [4, 5, 6, 12], [0, 1, 2, 3, 10, 11]]
+  for got, want in zip(part.indices, expected, strict=True):
+    np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(part.counts, [[3, 2], [3, 1], [4, 2]])
+  for alpha in draws.alphas:
+    np.testing.assert_array_equal(alpha, [0.7, 0.7, 0.7])
+
+
 def test_dirichlet_min_size_zero_allows_empty_clients(labels):
   part = data.dirichlet(labels, 50, 0.01, min_partition_size=0, seed=0)
   _assert_valid(part, labels, 50)

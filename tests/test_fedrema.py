@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from pflax import aggregate as agg
+from pflax import tree as ptree
 
 import references as ref
 TRANSFORMS = [pytest.param(ref.no_jit, id="nojit"), pytest.param(jax.jit, id="jit")]
@@ -108,8 +109,8 @@ def test_mds_hand_example():
 def test_mds_equal_peers_are_selected_together():
   # With every peer equally similar all remaining gaps are 0. SPEC 2.5's rule
   # by sorted position would drop the first peer of the stable sort; pflax
-  # resolves ties by value (documented in `mds`'s Notes) and keeps all of them,
-  # which is what a client-order-independent rule must do.
+  # resolves ties by value (documented in `mds`'s Notes; `ref.mds_ref` follows
+  # it) and keeps all of them, as a client-order-independent rule must.
   sel, gap = agg.mds(np.array([0.5, 1.0, 0.5, 0.5]))
   np.testing.assert_array_equal(sel, [True, True, True, True])
   assert float(gap) == 0.0
@@ -193,3 +194,181 @@ def test_fedrema_ccp_switch_is_one_way_over_rounds(m=4):
   _, state = step(ref.random_params(rng, m), n, _grouped_soft(rng, m, 9.0), frozen)
   np.testing.assert_array_equal(state.dependency, frozen.dependency)
   assert float(state.max_gap) == float(frozen.max_gap) and not bool(state.in_ccp)
+
+
+def test_identical_soft_logits_select_every_client():
+  # Issue 11 item 1: in float32 the cosines of identical rows are 1.0000001;
+  # the client itself (diagonal 1) ranked below its peers and was dropped:
+  # classifiers [4.5, 3, 1.5] and a zero diagonal in `dependency`. Each client
+  # must select all three (mean 3), and a gap of rounding noise (1e-7) must
+  # not keep the CCP alive: gap 0, max_gap 0, CCP over.
+  soft = jnp.tile(jnp.asarray([[0.2086123, 0.2417693, 0.5496184]]), (3, 1))
+  s = agg.relevance(soft)
+  assert np.all(np.asarray(s) == 1.0)
+  params = {"classifier": {"w": jnp.asarray([[0.0], [3.0], [6.0]])}}
+  out, state = agg.fedrema(params, jnp.ones(3), soft, agg.fedrema_init(3))
+  np.testing.assert_array_equal(out["classifier"]["w"], [[3.0], [3.0], [3.0]])
+  np.testing.assert_array_equal(state.dependency, np.ones((3, 3)))
+  assert float(state.max_gap) == 0.0 and not bool(state.in_ccp)
+
+
+def test_relevance_is_within_unit_interval_with_self_on_top():
+  rng = np.random.default_rng(4)
+  soft = _soft(rng, 6, c=3)
+  soft[3] = soft[1] = soft[0] = [0.2086123, 0.2417693, 0.5496184]  # cosines 1 + 1e-7
+  s = np.asarray(agg.relevance(soft))
+  assert np.all((s >= 0) & (s <= 1))
+  np.testing.assert_array_equal(np.diagonal(s), np.ones(6))
+  np.testing.assert_array_equal(s.max(axis=1), np.ones(6))
+
+
+def test_mds_rounding_decides_nothing():
+  # The client itself (the entry 1) with two peers rounded above it: all three.
+  sel, gap = agg.mds(np.array([1.0, 1.0000001, 1.0000001], np.float32))
+  np.testing.assert_array_equal(sel, [True, True, True])
+  assert float(gap) == 0.0
+  # Gaps 0.3 and 0.3 tie (the first, lower one is cut): in float32 the upper
+  # one is 0.30000001 and the lower 0.29999999, which cut at the upper one.
+  sel, gap = agg.mds(np.array([1.0, 0.8, 0.5, 0.2], np.float32))
+  np.testing.assert_array_equal(sel, [True, True, True, False])
+  np.testing.assert_allclose(gap, 0.3, rtol=1e-6)
+  np.testing.assert_array_equal(ref.mds_ref([1.0, 0.8, 0.5, 0.2])[0],
+                                [True, True, True, False])
+  # Peers equal up to rounding are selected together.
+  sel, _ = agg.mds(np.array([0.2, 1.0, 0.5000001, 0.4999999, 0.5], np.float32))
+  np.testing.assert_array_equal(sel, [False, True, True, True, True])
+
+
+def _one_hot_soft():
+  """Clients {0, 1} and {2, 3} predict different classes: every gap is 1."""
+  return np.array([[1, 0], [1, 0], [0, 1], [0, 1]], np.float32)
+
+
+@pytest.mark.parametrize("max_gap,delta,in_ccp", [
+    (2.0, 0.5, True),          # gap_bar = 1 = delta * max_gap exactly
+    (0.0, 1.0, True),          # first round: max_gap = gap_bar = 1, delta 1
+    (2.0, 0.5000001, False),   # just above the boundary
+])
+def test_ccp_boundary_is_inclusive(max_gap, delta, in_ccp):
+  # SPEC 2.5: the CCP continues while gap_bar >= delta * max_gap.
+  params = ref.random_params(np.random.default_rng(5), 4)
+  state = _state(np.zeros((4, 4)), max_gap, True)
+  _, new = agg.fedrema(params, None, _one_hot_soft(), state, delta=delta)
+  assert float(new.max_gap) == max(max_gap, 1.0)
+  assert bool(new.in_ccp) == in_ccp
+  np.testing.assert_array_equal(new.dependency, np.kron(np.eye(2), np.ones((2, 2))))
+
+
+def test_masked_clients_receive_the_feature_extractor():
+  # Issue 11 item 9 (Alg. 2, line 19; SPEC 2.5): every client receives theta;
+  # masked clients keep only their own classifier.
+  rng = np.random.default_rng(6)
+  params = ref.random_params(rng, 4)
+  params["classifier"]["output"]["bias"][1] = np.nan      # a faulty client
+  n = np.array([3.0, 5.0, 1.0, 2.0])
+  mask = np.array([True, False, True, True])
+  out, _ = agg.fedrema(params, n, _soft(rng, 4), agg.fedrema_init(4), mask=mask)
+  keep = np.flatnonzero(mask)
+  theta = ref.fedavg_ref(jax.tree.map(lambda x: x[keep], params), n[keep])
+  for name in ("conv", "dense"):
+    for i in range(4):
+      np.testing.assert_allclose(out["features"][name][i], theta["features"][name],
+                                 rtol=2e-5, atol=2e-5)
+  for name in ("kernel", "bias"):
+    np.testing.assert_array_equal(out["classifier"]["output"][name][1],
+                                  params["classifier"]["output"][name][1])
+
+
+def test_no_client_with_weight():
+  params = ref.random_params(np.random.default_rng(7), 3)
+  soft, state = _soft(np.random.default_rng(7), 3), agg.fedrema_init(3)
+  with pytest.raises(ValueError, match="mask"):
+    agg.fedrema(params, None, soft, state, mask=np.zeros(3, bool))
+  with pytest.raises(ValueError, match="num_samples"):
+    agg.fedrema(params, np.zeros(3), soft, state)
+  # Traced: params and state unchanged (an empty round ends no CCP).
+  state = _state(np.ones((3, 3)), 0.4, True)
+  fn = jax.jit(lambda p, n, m: agg.fedrema(p, n, soft, state, mask=m))
+  for n, mask in ((np.ones(3), np.zeros(3, bool)), (np.zeros(3), np.ones(3, bool))):
+    out, new = fn(params, n, mask)
+    assert_tree_close(out, params, rtol=0, atol=0)
+    for a, b in zip(new, state):
+      np.testing.assert_array_equal(a, b)
+
+
+M_BAD = 3
+P_BAD = ref.random_params(np.random.default_rng(8), M_BAD)
+SOFT_BAD = np.full((M_BAD, 4), 0.25, np.float32)
+
+
+@pytest.mark.parametrize("state,error,pattern", [
+    (agg.FedReMaState(jnp.zeros((3, 3), jnp.float32), jnp.float32(0), jnp.bool_(True)),
+     TypeError, "state.dependency.*int32"),
+    (agg.FedReMaState(jnp.zeros((3, 3), jnp.int32), jnp.zeros(3), jnp.bool_(True)),
+     ValueError, r"state.max_gap.*\(\)"),
+    (agg.FedReMaState(jnp.zeros((3, 3), jnp.int32), jnp.int32(0), jnp.bool_(True)),
+     TypeError, "state.max_gap.*float32"),
+    (agg.FedReMaState(jnp.zeros((3, 3), jnp.int32), jnp.float32(0), jnp.ones(3, bool)),
+     ValueError, "state.in_ccp"),
+    (agg.FedReMaState(jnp.zeros((3, 3), jnp.int32), jnp.float32(0), jnp.float32(1)),
+     TypeError, "state.in_ccp.*bool"),
+    (agg.FedReMaState(-jnp.ones((3, 3), jnp.int32), jnp.float32(0), jnp.bool_(True)),
+     ValueError, "state.dependency.*non-negative"),
+    (agg.FedReMaState(jnp.zeros((3, 3), jnp.int32), jnp.float32(np.nan),
+                      jnp.bool_(True)), ValueError, "state.max_gap.*finite"),
+    ((jnp.zeros((3, 3), jnp.int32), jnp.float32(0), jnp.bool_(True)),
+     TypeError, "FedReMaState"),
+])
+def test_malformed_state_is_refused(state, error, pattern):
+  with pytest.raises(error, match=pattern):
+    agg.fedrema(P_BAD, None, SOFT_BAD, state)
+
+
+@pytest.mark.parametrize("value", [np.nan, -0.1, np.inf])
+def test_soft_must_be_probabilities_for_unmasked_clients(value):
+  soft = SOFT_BAD.copy()
+  soft[1, 2] = value
+  with pytest.raises(ValueError, match=r"soft.*\[1\]"):
+    agg.fedrema(P_BAD, None, soft, agg.fedrema_init(M_BAD))
+  # A masked client's row may be anything.
+  out, _ = agg.fedrema(P_BAD, None, soft, agg.fedrema_init(M_BAD),
+                       mask=np.array([True, False, True]))
+  assert all(np.all(np.isfinite(np.asarray(x)[[0, 2]])) for x in jax.tree.leaves(out))
+
+
+def test_default_where_on_a_plain_flax_cnn_is_an_error():
+  # Issue 11 item 15: Flax names a plain CNN's modules Conv_0, Dense_0, ...; the
+  # default under("classifier") would personalize nothing.
+  rng = np.random.default_rng(9)
+  params = {"Conv_0": {"kernel": rng.normal(size=(3, 3, 3, 1, 4)).astype(np.float32)},
+            "Dense_0": {"kernel": rng.normal(size=(3, 8, 5)).astype(np.float32)},
+            "Dense_1": {"kernel": rng.normal(size=(3, 5, 2)).astype(np.float32)}}
+  with pytest.raises(ValueError, match="where.*Dense_1"):
+    agg.fedrema(params, None, SOFT_BAD, agg.fedrema_init(3))
+  out, _ = agg.fedrema(params, None, SOFT_BAD, agg.fedrema_init(3),
+                       where=ptree.under("Dense_1"))
+  assert jax.tree.structure(out) == jax.tree.structure(params)
+
+
+def test_eager_calls_reuse_one_compilation():
+  # Issue 11 item 17: eager calls run module-level jitted implementations.
+  from pflax._src import fedrema as rema_lib
+  rng = np.random.default_rng(10)
+  params, n = ref.random_params(rng, 5), rng.integers(1, 9, 5).astype(np.float32)
+  sizes = [f._cache_size() for f in (rema_lib._fedrema, rema_lib._relevance,
+                                     rema_lib._mds_all, rema_lib._soft_logits)]
+  for delta, temperature in ((0.5, 0.5), (0.3, 2.0)):
+    soft = agg.soft_logits(rng.normal(size=(5, 4)), temperature)
+    agg.mds(agg.relevance(soft)[0])
+    agg.fedrema(params, n, soft, agg.fedrema_init(5), delta=delta,
+                mask=np.array([True, True, False, True, True]))
+  new = [f._cache_size() for f in (rema_lib._fedrema, rema_lib._relevance,
+                                   rema_lib._mds_all, rema_lib._soft_logits)]
+  assert [b - a for a, b in zip(sizes, new)] == [1, 1, 1, 1]
+
+
+def test_soft_logits_of_huge_logits_at_low_temperature_are_finite():
+  """`z / T` overflows float32 for z = 1e30, T = 0.05 (it gave NaN under jit)."""
+  logits = np.array([[1e30, 1e30, 1e30], [1e30, -1e30, 0.0]], np.float32)
+  soft = np.asarray(jax.jit(agg.soft_logits)(logits, 0.05))
+  np.testing.assert_allclose(soft, [[1 / 3] * 3, [1.0, 0.0, 0.0]], rtol=1e-6)

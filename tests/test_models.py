@@ -193,12 +193,30 @@ def test_embed_width(model, width):
   assert z.shape == (2, width)
 
 
+@pytest.mark.parametrize("hidden", [(5,), (6, 5)])
+def test_representation_is_the_last_hidden_layer_before_its_relu(hidden):
+  # FedClassAvg's contrastive features: the authors' `fcin` output, pre-ReLU.
+  model = models.MLP(3, hidden=(4, *hidden))
+  x = np.random.default_rng(2).standard_normal((8, 6)).astype(np.float32)
+  params = _random_params(model, (6,))
+  c = params["classifier"]
+  h = np.maximum(x @ params["features"]["dense_0"]["kernel"]
+                 + params["features"]["dense_0"]["bias"], 0.0)
+  expected = _np_dense_stack(h, [c[f"hidden_{i}"] for i in range(len(hidden))])
+  z = _apply(model, params, x, method="representation")
+  assert (expected < 0).any()  # the ReLU would change it
+  np.testing.assert_allclose(z, expected, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(_apply(model, params, x, method="embed"),
+                             np.maximum(expected, 0.0), rtol=1e-5, atol=1e-5)
+
+
 def test_head_without_hidden_embeds_identity():
   h = np.random.default_rng(0).standard_normal((3, 7)).astype(np.float32)
   head = models.Head(4)
   params = _random_params(head, (7,))
   assert list(params) == ["output"]
   np.testing.assert_array_equal(_apply(head, params, h, method="embed"), h)
+  np.testing.assert_array_equal(_apply(head, params, h, method="representation"), h)
 
 
 @pytest.mark.parametrize(

@@ -60,7 +60,7 @@ def _assert_same(a, b):
   for x, y in zip(a["history"], b["history"]):
     assert x["dropped_clients"] == y["dropped_clients"]
     assert x["train_loss"] == pytest.approx(y["train_loss"], rel=1e-4)
-    for key in ("personalized_accuracy", "global_accuracy"):
+    for key in ("personalized_accuracy", "global_accuracy", "exclusive_accuracy"):
       assert (key in x) == (key in y)
       if key in x:
         assert x[key] == pytest.approx(y[key], abs=1 / 400)  # one test sample

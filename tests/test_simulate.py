@@ -13,6 +13,8 @@ import pytest
 from pflax import algorithms
 from pflax import simulate
 from pflax._src import cli
+from pflax._src.algorithms import EVALUATED
+from pflax._src.simulate import FINAL_WINDOW
 
 CONFIG = simulate.ExperimentConfig(
     clients=6, rounds=3, model="mlp", eval_every=1,
@@ -39,8 +41,22 @@ def test_every_algorithm_runs_and_reports(setup, name):
     assert h["dropped_clients"] == []
   acc = record["personalized_accuracy"]
   assert acc["best"] >= acc["final"] - 1e-12
-  has_global = name in ("fedavg", "fedprox", "fedsa", "feddwa")
-  assert (record["global_accuracy"] is not None) == has_global
+  # FedClassAvg's global model is the averaged classifier on each client's own
+  # features; FedDWA's exclusive models are no global model (issue 11, 7 and 16).
+  kinds = {"personalized"} | {"fedavg": {"global"}, "fedprox": {"global"},
+                              "fedsa": {"global"}, "fedclassavg": {"global"},
+                              "feddwa": {"exclusive"}}.get(name, set())
+  for kind in EVALUATED:
+    summary = record[f"{kind}_accuracy"]
+    assert (summary is not None) == (kind in kinds)
+    assert all((f"{kind}_accuracy" in h) == (kind in kinds) for h in record["history"])
+    if summary is not None:
+      # Unweighted mean and std over clients (issue 11, 13), final window as `final`.
+      final = record["history"][-FINAL_WINDOW:]
+      for key in ("client_mean", "client_std"):
+        assert summary[key] == pytest.approx(np.mean([h[f"{kind}_{key}"] for h in final]))
+      assert all(0.0 <= h[f"{kind}_client_mean"] <= 1.0 and h[f"{kind}_client_std"] >= 0.0
+                 for h in record["history"])
   assert np.asarray(record["output_norms"]).shape == (6, 10)
 
 
@@ -179,9 +195,24 @@ def test_heterogeneous_fedclassavg_shares_only_the_classifier(setup):
   record = simulate.run("fedclassavg", config, 0, setup=het_setup)
   assert all(h["dropped_clients"] == [] for h in record["history"])
   assert 0.0 <= record["personalized_accuracy"]["best"] <= 1.0
+  assert 0.0 <= record["global_accuracy"]["best"] <= 1.0
+  # The norms are of each client's own classifier (issue 11, 7): they differ.
   norms = np.asarray(record["output_norms"])
-  # Every client ends with the same (global) classifier: identical norms.
-  np.testing.assert_allclose(norms, np.broadcast_to(norms[0], norms.shape), rtol=1e-5)
+  assert norms.shape == (8, 10) and not np.allclose(norms, norms[0])
+
+
+@pytest.mark.slow
+def test_heterogeneous_participants_are_round_p_m_of_all_clients():
+  # Issue 11, 10: p = 0.25 of 8 clients in four architecture groups of 2 is 2
+  # clients (per group, max(1, round(0.5)) drew 4). Every upload is NaN, so the
+  # dropped clients are exactly the participants.
+  config = dataclasses.replace(CONFIG, clients=8, rounds=2, heterogeneous=True,
+                               participation=0.25)
+  het_setup = simulate.prepare(config, 0)
+  fed = het_setup.federation
+  poisoned = dataclasses.replace(het_setup, federation=fed._replace(x=fed.x * jnp.nan))
+  record = simulate.run("fedclassavg", config, 0, setup=poisoned)
+  assert [len(h["dropped_clients"]) for h in record["history"]] == [2, 2]
 
 
 def test_heterogeneous_needs_fedclassavg(setup):

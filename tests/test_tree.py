@@ -216,3 +216,39 @@ def test_under_multi_name_means_consecutive_modules():
       "params/features/output/kernel", "params/output/classifier/kernel"]
   with pytest.raises(ValueError):
     ptree.under()
+
+
+# ------------------------------------------------------------------- issue 11
+
+
+def test_required_selection_names_where_and_lists_keys():
+  from pflax._src import tree as tree_lib       # the shared boundary helper
+  tree = {"Conv_0": {"kernel": 1.0}, "Dense_0": {"kernel": 2.0, "bias": 3.0}}
+  assert tree_lib.required_selection(tree, ptree.under("Dense_0")) == [
+      False, True, True]
+  assert tree_lib.required_selection(tree, None) == [True, True, True]
+  with pytest.raises(ValueError, match=r"head selects no leaf.*\['Conv_0', 'Dense_0'\]"):
+    tree_lib.required_selection(tree, ptree.under("Dense_9"), "head")
+  with pytest.raises(ValueError, match=r"where selects no leaf"):
+    tree_lib.required_selection(tree, jax.tree.map(lambda _: False, tree))
+  # A Flax-style wrapper: the keys inside "params" are listed too.
+  with pytest.raises(ValueError, match=r"\['params'\].*\['Conv_0', 'Dense_0'\]"):
+    tree_lib.required_selection({"params": tree}, ptree.under("classifier"))
+
+
+@pytest.mark.parametrize("scale", [1e25, 1e-25])
+def test_cosine_similarity_at_extreme_magnitudes(scale):
+  # Squares of 1e25 overflow float32 and squares of 1e-25 underflow; cosines
+  # are scale invariant. Client 3's leaves span 1e25 .. 1e-25 at once.
+  params = jax.tree.map(lambda x: (x * scale).astype(np.float32), _params(4))
+  params["features"]["dense"][3] *= 1e-20 if scale > 1 else 1e20
+  out = ptree.cosine_similarity(params, eps=0.0)
+  expected = ref.cosine_matrix(ref.flat_clients(params))
+  assert np.all(np.isfinite(out))
+  np.testing.assert_allclose(out, expected, atol=1e-5)
+
+
+def test_weighted_mean_of_counts_near_float32_max():
+  params = _params(3)
+  w = np.array([3e38, 1e38, 2e38], np.float32)   # their sum overflows float32
+  _assert_tree_close(ptree.weighted_mean(params, w), ref.fedavg_ref(params, w))

@@ -7,8 +7,10 @@ An `Algorithm` holds pure functions over an explicit state pytree:
 * `context(state, fed) -> stacked` per-client constants of the local loss;
 * `loss(params, context, batch, key) -> scalar` one client's local objective;
 * `server_update(state, trained, mask, key) -> state` the aggregation, where
-  `mask` marks the clients that took part and uploaded finite parameters;
-* `evaluate(state) -> (personalized, global_or_None)` stacked models to test.
+  `mask` marks the clients that took part and uploaded finite parameters and
+  every other client's entry of `trained` is its starting model
+  (`drop_unhealthy`), so no update ever reads a non-finite upload;
+* `evaluate(state) -> {kind: stacked}` the models to test, by kind (`EVALUATED`).
 
 `client_update` (shared) trains the participating clients with `pflax.train`.
 """
@@ -39,6 +41,11 @@ NAMES = ("local", "fedavg", "fedprox", "cwfedavg", "fedclassavg", "fedsa",
          "feddwa", "fedrema")
 OUTPUT_LAYER = tree_lib.under("classifier", "output")
 CLASSIFIER = tree_lib.under("classifier")
+EVALUATED = ("personalized", "global", "exclusive")
+"""Kinds of evaluated models, each reported as `<kind>_accuracy`: each client's own
+model (always); one global model on every client's test split (FedAvg, FedProx,
+FedSA; FedClassAvg's averaged classifier on each client's own features); FedDWA's
+exclusive models, one per client and never a global model."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +118,7 @@ class Algorithm(NamedTuple):
   optimizer: optax.GradientTransformation
   keep_opt_state: bool
   server_update: Callable[[Any, types.Stacked, chex.Array, chex.PRNGKey], Any]
-  evaluate: Callable[[Any], tuple[types.Stacked, types.Stacked | None]]
+  evaluate: Callable[[Any], dict[str, types.Stacked]]
   unroll: int | bool | None = None
 
 
@@ -126,6 +133,19 @@ def make_optimizer(hp: Hyperparameters) -> optax.GradientTransformation:
   if hp.grad_clip:
     opt = optax.chain(optax.clip_by_global_norm(hp.grad_clip), opt)
   return opt
+
+
+def per_model(optimizer: optax.GradientTransformation,
+              names: tuple[str, ...]) -> optax.GradientTransformation:
+  """`optimizer` applied to each model of a dict `{name: params}` on its own.
+
+  For a client that trains several models at once (FedDWA's pair `w`, `v`):
+  each model gets its own optimizer state and, with `grad_clip`, its gradient
+  is clipped by its own global norm, as if it were trained alone.
+  """
+  labels = lambda models_: {name: jax.tree.map(lambda _, n=name: n, models_[name])
+                            for name in names}
+  return optax.multi_transform({name: optimizer for name in names}, labels)
 
 
 def _logits(model: nn.Module, params: types.Tree, x: chex.Array) -> chex.Array:
@@ -161,7 +181,7 @@ def _global_algorithm(name: str, model: nn.Module, hp: Hyperparameters,
 
   def evaluate(state):
     held = start(state)
-    return held, held
+    return {"personalized": held, "global": held}
 
   return Algorithm(
       name=name,
@@ -188,7 +208,7 @@ def local(model: nn.Module, hp: Hyperparameters) -> Algorithm:
       keep_opt_state=False,
       server_update=lambda state, trained, mask, key: {
           "params": weights_lib.keep_masked(trained, state["params"], mask)},
-      evaluate=lambda state: (state["params"], None))
+      evaluate=lambda state: {"personalized": state["params"]})
 
 
 def fedavg(model: nn.Module, hp: Hyperparameters) -> Algorithm:
@@ -265,7 +285,8 @@ def cwfedavg(model: nn.Module, hp: Hyperparameters) -> Algorithm:
       name="cwfedavg", init=init, start=start,
       context=lambda state, fed: fed.counts.astype(jnp.float32),
       loss=loss, optimizer=make_optimizer(hp), keep_opt_state=False,
-      server_update=server_update, evaluate=lambda state: (start(state), None))
+      server_update=server_update,
+      evaluate=lambda state: {"personalized": start(state)})
 
 
 def augment(key: chex.PRNGKey, x: chex.Array) -> chex.Array:
@@ -284,15 +305,24 @@ def fedclassavg(model: nn.Module, hp: Hyperparameters) -> Algorithm:
 
   Local objective (Eq. 4): `CE(y, f(x')) + SupCon(F(x'), F(x'')) +
   rho/2 sum_tensors mean((C_k - C)^2)` with the classifier C the output layer.
-  State: each client's parameters and the global classifier.
+  State: each client's parameters (its own, locally trained classifier
+  included) and the global classifier. A client's personalized model is its
+  own feature extractor with its own classifier (Algorithm 1's output
+  `w_k = w_Fk + w_Ck`); `global` is the averaged classifier on the client's
+  own features.
+
+  Notes:
+    [settled: authors' code] SupCon acts on the last hidden layer's linear
+    output `F(x)` before the classifier's ReLU (`model.representation`, the
+    authors' `fcin`), not on the post-ReLU input of the output layer.
   """
 
   def loss(params, global_head, batch, key):
     k1, k2 = jax.random.split(key)
     view1, view2 = augment(k1, batch.x), augment(k2, batch.x)
     logits = _logits(model, params, view1)
-    embed = lambda v: model.apply({"params": params}, v, method="embed")
-    feats = jnp.concatenate([embed(view1), embed(view2)])
+    represent = lambda v: model.apply({"params": params}, v, method="representation")
+    feats = jnp.concatenate([represent(view1), represent(view2)])
     labels = jnp.concatenate([batch.y, batch.y])
     valid = jnp.concatenate([batch.mask, batch.mask])
     contrast = losses.supcon(feats, labels, hp.supcon_temperature,
@@ -324,7 +354,8 @@ def fedclassavg(model: nn.Module, hp: Hyperparameters) -> Algorithm:
       start=start,
       context=lambda state, fed: tree_lib.broadcast(state["head"], state["n"].shape[0]),
       loss=loss, optimizer=make_optimizer(hp), keep_opt_state=False,
-      server_update=server_update, evaluate=lambda state: (start(state), None),
+      server_update=server_update,
+      evaluate=lambda state: {"personalized": state["params"], "global": start(state)},
       # Unrolled, the two-view SupCon step compiled in 158 s instead of 13 s
       # and ran 7x slower (MLP on digits, 7 steps): keep the loop rolled.
       unroll=1)
@@ -351,7 +382,8 @@ def feddwa(model: nn.Module, hp: Hyperparameters) -> Algorithm:
   Each client trains the pair `{"w": exclusive, "v": personalized}` on the same
   batches: `w` with cross-entropy, `v` with cross-entropy plus
   `lambda/2 ||v - w_g||^2` anchored at the received exclusive model (Alg. 1).
-  Accuracy is reported on `v`; the exclusive models are the "global" models.
+  Personalized accuracy is reported on `v`; the exclusive models' own accuracy
+  is `exclusive` (one model per client, not a global model).
   """
   ce = _cross_entropy_loss(model)
 
@@ -372,9 +404,11 @@ def feddwa(model: nn.Module, hp: Hyperparameters) -> Algorithm:
       init=lambda params, fed, key: {"exclusive": params, "personal": params},
       start=lambda state: {"w": state["exclusive"], "v": state["personal"]},
       context=lambda state, fed: state["exclusive"],
-      loss=loss, optimizer=make_optimizer(hp), keep_opt_state=False,
+      loss=loss, optimizer=per_model(make_optimizer(hp), ("w", "v")),
+      keep_opt_state=False,
       server_update=server_update,
-      evaluate=lambda state: (state["personal"], state["exclusive"]))
+      evaluate=lambda state: {"personalized": state["personal"],
+                              "exclusive": state["exclusive"]})
 
 
 def fedrema(model: nn.Module, hp: Hyperparameters, input_shape: tuple[int, ...]
@@ -406,7 +440,7 @@ def fedrema(model: nn.Module, hp: Hyperparameters, input_shape: tuple[int, ...]
       context=lambda state, fed: None,
       loss=_cross_entropy_loss(model), optimizer=make_optimizer(hp),
       keep_opt_state=True, server_update=server_update,
-      evaluate=lambda state: (state["params"], None))
+      evaluate=lambda state: {"personalized": state["params"]})
 
 
 def get_algorithm(name: str, model: nn.Module, hp: Hyperparameters,
@@ -479,6 +513,31 @@ def client_outputs(algorithm: Algorithm, state: Any, opt_state: Any,
     opt_state = put(opt_state, result.opt_state)
   losses_ = put(jnp.zeros(_num_clients(start)), result.loss)
   return put(start, result.params), opt_state, losses_
+
+
+def drop_unhealthy(algorithm: Algorithm, state: Any, trained: types.Stacked,
+                   opt_before: Any, opt_after: Any, healthy: chex.Array
+                   ) -> tuple[types.Stacked, Any]:
+  """`(trained, opt_state)` with the clients outside `healthy` treated as absent.
+
+  A client that uploaded non-finite values (or did not take part) is given
+  back the model it started the round from and its previous optimizer state,
+  so the server update never reads its upload and no stored state, whatever
+  the algorithm keeps, can become non-finite: the client is dropped from this
+  round only.
+  """
+  trained = weights_lib.keep_masked(trained, algorithm.start(state), healthy)
+  return trained, weights_lib.keep_masked(opt_after, opt_before, healthy)
+
+
+def keep_if_nobody(healthy: chex.Array, new: Any, old: Any) -> Any:
+  """`new`, or `old` unchanged when no client is healthy (an empty round).
+
+  Aggregators given no weight return zeros (global models) under `jit`; a
+  round in which every upload was dropped must leave the server state as it was.
+  """
+  anyone = jnp.any(healthy)
+  return jax.tree.map(lambda a, b: jnp.where(anyone, a, b), new, old)
 
 
 def client_update(algorithm: Algorithm, trainer: Callable[..., train_lib.ClientResult],

@@ -46,12 +46,12 @@ def num_clients(stacked: types.Stacked, name: str = "params") -> int:
 
 
 def float_leaves(stacked: types.Stacked, name: str = "params") -> None:
-  """Raises `TypeError` if a leaf is not a floating-point array."""
+  """Raises `TypeError` if a leaf is not a real floating-point array (complex too)."""
   for path, leaf in jax.tree_util.tree_leaves_with_path(stacked):
-    if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+    if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
       raise TypeError(
           f"{name}: leaf '{_leaf_name(path)}' has dtype {jnp.result_type(leaf)}; "
-          "aggregation needs floating-point leaves.")
+          "aggregation needs real floating-point leaves.")
 
 
 def same_structure(a: Any, b: Any, name_a: str, name_b: str) -> None:
@@ -89,14 +89,96 @@ def non_negative_finite(x: Any, name: str) -> None:
     raise ValueError(f"{name} must be non-negative, got min {values.min()}.")
 
 
-def mask(m: Any, num: int, name: str = "mask") -> None:
-  """Checks a client mask: shape (M,) and boolean dtype."""
+def client_mask(m: Any, num: int, name: str = "mask") -> jax.Array | None:
+  """Checks a client mask (shape `(M,)`, bool) and returns it as an array.
+
+  A Python list or NumPy array is converted; callers must use the returned mask.
+  """
   if m is None:
-    return
+    return None
+  if not isinstance(m, jax.Array):
+    m = jnp.asarray(m)
   shape(m, name, (num,), "(M,)")
-  if jnp.result_type(m) != jnp.bool_:
-    raise TypeError(f"{name} must be a bool array of shape (M,), "
-                    f"got dtype {jnp.result_type(m)}.")
+  if m.dtype != jnp.bool_:
+    raise TypeError(f"{name} must be a bool array of shape (M,), got dtype {m.dtype}.")
+  return m
+
+
+def unstacked_sequence(stacked: Any, name: str = "params") -> None:
+  """Raises `TypeError` for a list or tuple of client trees that are not stacked.
+
+  A top-level list/tuple whose items are all non-leaf pytrees of one structure
+  and the same leaf shapes is what `[tree_1, ..., tree_M]` looks like; pflax
+  would read its items as parts of one model and average the wrong axis.
+  """
+  if type(stacked) not in (list, tuple) or not stacked:
+    return
+  first = jax.tree_util.tree_structure(stacked[0])
+  shapes = [np.shape(x) for x in jax.tree_util.tree_leaves(stacked[0])]
+  for item in stacked:
+    if (jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(item))
+        or jax.tree_util.tree_structure(item) != first
+        or [np.shape(x) for x in jax.tree_util.tree_leaves(item)] != shapes):
+      return
+  raise TypeError(
+      f"{name} is a {type(stacked).__name__} of {len(stacked)} trees of one "
+      f"structure; pflax expects one stacked pytree whose leaves have a leading "
+      f"client axis M. Use pflax.tree.stack({name}) (if a model's top level really "
+      f"is a list of identical parts, wrap it in a dict).")
+
+
+def stacked_clients(tree: types.Stacked, name: str = "stacked") -> int:
+  """Checks a stacked pytree (not an unstacked list, M >= 1); returns M."""
+  unstacked_sequence(tree, name)
+  m = num_clients(tree, name)
+  if m == 0:
+    raise ValueError(f"{name} has M = 0 clients (every leaf's leading axis is "
+                     "empty); at least one client is needed.")
+  return m
+
+
+def client_params(params: types.Stacked, mask: Any,
+                  name: str = "params") -> tuple[int, jax.Array | None]:
+  """Boundary checks every aggregator runs first; returns `(M, mask)`.
+
+  Raises `TypeError` for an unstacked list of client trees (pointing to
+  `pflax.tree.stack`) and for non-floating or complex leaves, `ValueError` for
+  M = 0, leaves that disagree on M, or a mask not of shape `(M,)`, and
+  `TypeError` for a non-bool mask. The mask comes back as an array (a Python
+  list or NumPy array is converted): callers must use the returned one.
+  """
+  m = stacked_clients(params, name)
+  float_leaves(params, name)
+  return m, client_mask(mask, m)
+
+
+def some_weight(num_samples: Any, mask: Any, name: str = "num_samples") -> None:
+  """Raises if concrete inputs give every (unmasked) client zero weight.
+
+  `num_samples` is `(M,)` counts or `(M, K)` class counts (a client has weight
+  if any of its entries is positive); None means uniform. An all-False `mask`
+  is named as the cause; otherwise `name` is, when no unmasked client has a
+  positive entry. Skipped when an input is traced: under `jit` each aggregator
+  documents its finite zero-weight result instead.
+  """
+  if mask is not None:
+    if not is_concrete(mask):
+      return
+    keep = np.asarray(mask, bool)
+    if not keep.any():
+      raise ValueError("mask is all False: no client takes part, so the total "
+                       "weight is 0. Unmask at least one client.")
+  if num_samples is None or not is_concrete(num_samples):
+    return
+  counts = np.asarray(num_samples, np.float64)
+  positive = (counts > 0).reshape(counts.shape[0], -1).any(axis=1)
+  if mask is not None:
+    positive &= keep
+  if not positive.any():
+    which = "unmasked client" if mask is not None else "client"
+    raise ValueError(f"{name} gives every {which} weight 0 (no positive count), so "
+                     f"the weighted mean is undefined; at least one {which} needs a "
+                     f"positive count.")
 
 
 def in_range(x: Any, name: str, low: float | None = None, high: float | None = None,

@@ -39,6 +39,11 @@ def _parser() -> argparse.ArgumentParser:
                  help="FedReMa's s for --partition groups")
   p.add_argument("--clients", type=int, default=defaults.clients)
   p.add_argument("--participation", type=float, default=defaults.participation)
+  p.add_argument("--faulty-clients", type=float, default=defaults.faulty_clients,
+                 metavar="FRACTION",
+                 help="each round this fraction of the participants, drawn from the "
+                      "run's key, uploads non-finite parameters; the server drops "
+                      "them (default: 0)")
   p.add_argument("--rounds", type=int, default=defaults.rounds)
   p.add_argument("--eval-every", type=int, default=defaults.eval_every)
   p.add_argument("--local-epochs", type=int, default=hp.local_epochs)
@@ -47,7 +52,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--optimizer", default=hp.optimizer, choices=("sgd", "adam"))
   p.add_argument("--momentum", type=float, default=hp.momentum)
   p.add_argument("--grad-clip", type=float, default=hp.grad_clip,
-                 help="clip each local gradient to this global norm (default: none)")
+                 help="clip each local model's gradient to this global norm (FedDWA's "
+                      "w and v each on its own; default: none)")
   p.add_argument("--model", default=defaults.model, choices=("auto", "cnn", "mlp"),
                  help="auto: the CNN for images of 16+ pixels, the MLP for digits")
   p.add_argument("--heterogeneous", action="store_true",
@@ -89,6 +95,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> simulate.ExperimentConfig:
   """The experiment configuration named by command-line arguments."""
+  try:
+    simulate.check_faults(args.faulty_clients, name="--faulty-clients")
+  except ValueError as e:
+    raise SystemExit(f"pflax-run: {e}") from None
   hp = dataclasses.replace(algos.Hyperparameters(), lr=args.lr,
                            batch_size=args.batch_size,
                            local_epochs=args.local_epochs, optimizer=args.optimizer,
@@ -97,7 +107,8 @@ def config_from_args(args: argparse.Namespace) -> simulate.ExperimentConfig:
       dataset=args.dataset, data_dir=args.data_dir, partition=args.partition,
       clients=args.clients, classes_per_client=args.classes_per_client,
       dirichlet_alpha=args.dirichlet_alpha, iid_fraction=args.iid_fraction,
-      participation=args.participation, rounds=args.rounds,
+      participation=args.participation, faulty_clients=args.faulty_clients,
+      rounds=args.rounds,
       eval_every=args.eval_every, model=args.model, heterogeneous=args.heterogeneous,
       strategy=args.strategy, hp=hp)
 
@@ -135,17 +146,24 @@ def _progress(total: int, label: str, enabled: bool) -> Any:
 
 
 def _table(runs: list[dict[str, Any]]) -> str:
-  """Markdown table of mean (± std over seeds) accuracies per algorithm (and value)."""
-  lines = ["| algorithm | personalized best | personalized final | global final |",
-           "|---|---|---|---|"]
+  """Markdown table of accuracies per algorithm (and value), mean ± std over seeds.
+
+  "per client" is the final unweighted mean over clients of the personalized
+  models' accuracies with their std over clients in parentheses, each averaged
+  over seeds; "exclusive" is FedDWA's exclusive models, one per client.
+  """
+  lines = ["| algorithm | personalized best | personalized final | per client final: "
+           "mean (std) | global final | exclusive final |", "|---|---|---|---|---|---|"]
   for label in dict.fromkeys(plots.run_label(r) for r in runs):
     rs = [r for r in runs if plots.run_label(r) == label]
     fmt = lambda v: f"{100 * np.mean(v):.2f} ± {100 * np.std(v):.2f}"
-    pb = fmt([r["personalized_accuracy"]["best"] for r in rs])
-    pf = fmt([r["personalized_accuracy"]["final"] for r in rs])
-    g = ([r["global_accuracy"]["final"] for r in rs] if rs[0]["global_accuracy"]
-         else None)
-    lines.append(f"| {label} | {pb} | {pf} | {fmt(g) if g else '—'} |")
+    acc = lambda kind, key: (fmt([r[f"{kind}_accuracy"][key] for r in rs])
+                             if rs[0][f"{kind}_accuracy"] else "—")
+    clients = lambda key: 100 * np.mean([r["personalized_accuracy"][key] for r in rs])
+    lines.append(f"| {label} | {acc('personalized', 'best')} | "
+                 f"{acc('personalized', 'final')} | {clients('client_mean'):.2f} "
+                 f"({clients('client_std'):.2f}) | {acc('global', 'final')} | "
+                 f"{acc('exclusive', 'final')} |")
   return "\n".join(lines)
 
 

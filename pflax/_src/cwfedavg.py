@@ -4,8 +4,12 @@ With `P = [p_ij]` (clients' class distributions) and `Q = [q_ij]` (each client's
 share of each class), the class models are `G = Q^T W` and the personalized
 models `W' = P G = (P Q^T) W`: a rank-`min(M, K)` mixing of the stacked
 parameters, computed in whichever order is cheaper.
+
+Each public function checks its inputs on the host, then runs one module-level
+jitted program, so eager calls are as fast as jitted ones after the first.
 """
 
+import functools
 from typing import NamedTuple
 
 import chex
@@ -42,26 +46,61 @@ def class_shares(dist: chex.Array, client: chex.Array) -> chex.Array:
 
 
 def class_weights(class_dist: chex.Array, num_samples: chex.Array | None,
-                  mask: chex.Array | None) -> ClassWeights:
-  """Computes `p_i`, `p_ij` and `q_ij` from counts or from distributions."""
-  class_dist = jnp.asarray(class_dist, jnp.float32)
+                  mask: chex.Array | None,
+                  dtype: jnp.dtype = jnp.float32) -> ClassWeights:
+  """Computes `p_i`, `p_ij` and `q_ij` from counts or from distributions, in `dtype`.
+
+  Counts are scaled by a power of two near their maximum before any sum (the
+  weights do not depend on the scale), so counts near the dtype's maximum
+  cannot overflow. Masked-out clients' rows are ignored (even if non-finite).
+  """
+  class_dist = jnp.asarray(class_dist, dtype)
+  if mask is not None:
+    class_dist = jnp.where(mask[:, None], class_dist, 0.0)
   if num_samples is None:
-    num_samples = jnp.sum(class_dist, axis=1)
-  client = weights_lib.client_weights(num_samples, class_dist.shape[0], mask)
-  dist = weights_lib.row_distribution(class_dist)
+    shares = weights_lib.normalize(class_dist.reshape(-1), dtype)
+    num_samples = jnp.sum(shares.reshape(class_dist.shape), axis=1)
+  client = weights_lib.client_weights(num_samples, class_dist.shape[0], mask, dtype)
+  dist = weights_lib.row_distribution(class_dist, dtype)
   return ClassWeights(client, dist, class_shares(dist, client))
 
 
 def _check(params: types.Stacked, class_dist: chex.Array,
-           num_samples: chex.Array | None, mask: chex.Array | None) -> int:
-  m = fedavg_lib.check_params(params, mask)
+           num_samples: chex.Array | None,
+           mask: chex.Array | None) -> tuple[chex.Array | None, chex.Array | None]:
+  """Boundary checks of `cw_fedavg` / `class_models`; returns `(num_samples, mask)`."""
+  m, mask = checks.client_params(params, mask)
   if np.ndim(class_dist) != 2:
     raise ValueError(f"class_dist must have shape (M, K) with M = {m}, got "
                      f"{np.shape(class_dist)}.")
   checks.shape(class_dist, "class_dist", (m, np.shape(class_dist)[1]), "(M, K)")
+  if np.shape(class_dist)[1] == 0:
+    raise ValueError(f"class_dist must have shape (M, K) with K >= 1 classes, got "
+                     f"{np.shape(class_dist)}.")
   checks.non_negative_finite(class_dist, "class_dist")
-  weights_lib.check_client_vector(num_samples, m, "num_samples")
-  return m
+  num_samples = weights_lib.check_client_vector(num_samples, m, "num_samples")
+  if num_samples is None:
+    checks.some_weight(class_dist, mask, "class_dist")
+  else:
+    checks.some_weight(num_samples, mask, "num_samples")
+  return num_samples, mask
+
+
+@functools.partial(jax.jit, static_argnames="flags")
+def _cw_fedavg(params: types.Stacked, class_dist: chex.Array,
+               num_samples: chex.Array | None, mask: chex.Array | None,
+               flags: tuple[bool, ...]) -> types.Stacked:
+  m = class_dist.shape[0]
+  w = class_weights(class_dist, num_samples, mask, weights_lib.weight_dtype(params))
+
+  def personalized(p: types.Stacked) -> types.Stacked:
+    mixed = tree_lib.map_selected(
+        lambda x: tree_lib.mix_factored_leaf(w.dist, w.share.T, x),
+        lambda x: tree_lib.broadcast_leaf(tree_lib.mix_leaf(w.client[None], x)[0], m),
+        weights_lib.zero_masked(p, mask), flags)
+    return weights_lib.keep_masked(mixed, p, mask)
+
+  return weights_lib.keep_if_weightless(w.client, personalized, params)
 
 
 def cw_fedavg(params: types.Stacked, class_dist: chex.Array,
@@ -75,21 +114,29 @@ def cw_fedavg(params: types.Stacked, class_dist: chex.Array,
   class distribution (Eq. 7), i.e. `W' = (P Q^T) W`.
 
   Args:
-    params: stacked client parameters, leaves `(M, ...)`.
-    class_dist: `(M, K)`. If `num_samples` is None, the counts `n_ij`; then
-      `n_i = sum_j n_ij`, `p_i = n_i / sum_l n_l` and `p_ij = n_ij / n_i`.
+    params: stacked client parameters, leaves `(M, ...)` with M >= 1 and real
+      floating dtypes (a list of unstacked trees is an error: use
+      `pflax.tree.stack`).
+    class_dist: `(M, K)`, K >= 1. If `num_samples` is None, the counts `n_ij`;
+      then `n_i = sum_j n_ij`, `p_i = n_i / sum_l n_l` and `p_ij = n_ij / n_i`.
       Otherwise each row is a (possibly unnormalised) distribution such as the
       estimate `p~` of `estimate_class_dist`, and `p_i` comes from `num_samples`.
     num_samples: optional `(M,)` sample counts.
     where: selector of the class-wise leaves; the other leaves get plain FedAvg
       with weights `p_i`, broadcast to every client. None selects every leaf
       ("cwFedAvg (All)"); `under("classifier", "output")` on pflax models is the
-      paper's "cwFedAvg (Output)".
-    mask: optional bool `(M,)`; False clients contribute nothing and get their
-      own parameters back unchanged.
+      paper's "cwFedAvg (Output)". A selector that selects no leaf is an error.
+    mask: optional bool `(M,)` (array or list); False clients contribute nothing
+      and get their own parameters back unchanged.
 
   Returns:
     Personalized stacked parameters, same structure and dtypes as `params`.
+
+  Raises:
+    ValueError: if `where` selects no leaf (the message lists the top-level
+      keys), or for concrete inputs with zero total weight: every unmasked
+      row of `class_dist` is zero (counts mode), every unmasked `num_samples`
+      is zero, or `mask` is all False.
 
   Example:
     >>> params = {"w": jnp.array([[1.0], [3.0]])}
@@ -102,21 +149,29 @@ def cw_fedavg(params: types.Stacked, class_dist: chex.Array,
     [settled] A class no client holds (`sum_l p_l p_lj = 0`) gets FedAvg weights
     `q_ij = p_i`; it has no effect on any personalized model. A row of
     `class_dist` with zero mass is treated as uniform `1/K`.
+    Weights are computed in float32 (float64 for float64 parameters) after
+    scaling the counts by a power of two near their maximum, so counts near
+    float32's maximum are fine. Traced inputs (inside `jit`) with zero total weight return
+    `params` unchanged.
 
   References:
     Lee & Choi, "Class-Wise Federated Averaging for Efficient Personalization",
     Eq. (4)-(7); special cases in Sec. 4.3 (IID -> FedAvg, one class per client
     -> Eq. 9).
   """
-  m = _check(params, class_dist, num_samples, mask)
-  w = class_weights(class_dist, num_samples, mask)
-  fedavg_row = w.client[None]
-  safe = weights_lib.zero_masked(params, mask)
-  mixed = tree_lib.map_selected(
-      lambda x: tree_lib.mix_factored_leaf(w.dist, w.share.T, x),
-      lambda x: tree_lib.broadcast_leaf(tree_lib.mix_leaf(fedavg_row, x)[0], m),
-      safe, tree_lib.selection(params, where))
-  return weights_lib.keep_masked(mixed, params, mask)
+  num_samples, mask = _check(params, class_dist, num_samples, mask)
+  flags = tuple(tree_lib.required_selection(params, where))
+  return _cw_fedavg(params, jnp.asarray(class_dist), num_samples, mask, flags)
+
+
+@jax.jit
+def _class_models(params: types.Stacked, class_dist: chex.Array,
+                  num_samples: chex.Array | None,
+                  mask: chex.Array | None) -> types.Stacked:
+  w = class_weights(class_dist, num_samples, mask, weights_lib.weight_dtype(params))
+  share_t = w.share.T
+  return jax.tree.map(lambda x: tree_lib.mix_leaf(share_t, x),
+                      weights_lib.zero_masked(params, mask))
 
 
 def class_models(params: types.Stacked, class_dist: chex.Array,
@@ -124,35 +179,40 @@ def class_models(params: types.Stacked, class_dist: chex.Array,
                  mask: chex.Array | None = None) -> types.Stacked:
   """Class-specific global models `G_j = sum_i q_ij w_i` (Eq. 5-6), stacked `(K, ...)`.
 
-  Arguments as in `cw_fedavg`. Store the result between rounds and call
-  `personalize` to give any client (participating or not) its model.
+  Arguments, errors and weights' dtype as in `cw_fedavg`. Store the result
+  between rounds and call `personalize` to give any client (participating or
+  not) its model. Traced inputs (inside `jit`) with zero total weight give
+  class models of zeros.
   """
-  _check(params, class_dist, num_samples, mask)
-  w = class_weights(class_dist, num_samples, mask)
-  share_t = w.share.T
-  safe = weights_lib.zero_masked(params, mask)
-  return jax.tree.map(lambda x: tree_lib.mix_leaf(share_t, x), safe)
+  num_samples, mask = _check(params, class_dist, num_samples, mask)
+  return _class_models(params, jnp.asarray(class_dist), num_samples, mask)
+
+
+@jax.jit
+def _personalize(class_models: types.Stacked, class_dist: chex.Array) -> types.Stacked:
+  dist = weights_lib.row_distribution(class_dist, weights_lib.weight_dtype(class_models))
+  return jax.tree.map(lambda x: tree_lib.mix_leaf(dist, x), class_models)
 
 
 def personalize(class_models: types.Stacked, class_dist: chex.Array) -> types.Stacked:
   """Personalized models `w_i = sum_j p_ij G_j` (Eq. 7) from stored class models.
 
   Args:
-    class_models: stacked `(K, ...)` class models.
+    class_models: stacked `(K, ...)` class models, K >= 1.
     class_dist: `(M, K)` class distributions or counts (rows are normalised; a
-      zero row is uniform).
+      zero row is uniform; rows are scaled by a power of two near their
+      maximum first, so counts near float32's maximum are fine).
 
   Returns:
     Stacked `(M, ...)` personalized parameters.
   """
-  k = checks.num_clients(class_models, "class_models")
+  k = checks.stacked_clients(class_models, "class_models")
   checks.float_leaves(class_models, "class_models")
   if np.ndim(class_dist) != 2 or np.shape(class_dist)[1] != k:
     raise ValueError(f"class_dist must have shape (M, K) with K = {k} (the number "
                      f"of class models), got {np.shape(class_dist)}.")
   checks.non_negative_finite(class_dist, "class_dist")
-  dist = weights_lib.row_distribution(class_dist)
-  return jax.tree.map(lambda x: tree_lib.mix_leaf(dist, x), class_models)
+  return _personalize(class_models, jnp.asarray(class_dist))
 
 
 def _safe_norm(x: chex.Array, axis: int) -> chex.Array:
@@ -160,6 +220,13 @@ def _safe_norm(x: chex.Array, axis: int) -> chex.Array:
   sq = jnp.sum(jnp.square(x), axis=axis)
   positive = sq > 0
   return jnp.where(positive, jnp.sqrt(jnp.where(positive, sq, 1.0)), 0.0)
+
+
+@jax.jit
+def _estimate_class_dist(kernel: chex.Array) -> chex.Array:
+  kernel = kernel.astype(tree_lib.accumulation_dtype(kernel.dtype))
+  norms = _safe_norm(weights_lib.scale_down(kernel, axis=(-2, -1)), axis=-2)
+  return weights_lib.row_distribution(norms, norms.dtype)
 
 
 def estimate_class_dist(kernel: chex.Array) -> chex.Array:
@@ -170,16 +237,24 @@ def estimate_class_dist(kernel: chex.Array) -> chex.Array:
   A kernel of all zeros gives the uniform `1/K`. Works stacked `(M, F, K)` or not.
 
   Args:
-    kernel: `(..., F, K)` floating-point kernel.
+    kernel: `(..., F, K)` real floating-point kernel, K >= 1.
 
   Returns:
-    `(..., K)` float32 distributions.
+    `(..., K)` distributions, float32 (float64 for a float64 kernel).
+
+  Notes:
+    Each kernel is scaled by a power of two near its largest `|entry|` before
+    the norms (the ratios do not depend on it, and it is a constant for
+    gradients), so kernels of any magnitude give finite results; the gradient
+    stays finite at zero.
 
   References:
     cwFedAvg paper Eq. (4).
   """
   if np.ndim(kernel) < 2:
     raise ValueError(f"kernel must have shape (..., F, K), got {np.shape(kernel)}.")
+  if np.shape(kernel)[-1] == 0:
+    raise ValueError(f"kernel must have shape (..., F, K) with K >= 1 classes, got "
+                     f"{np.shape(kernel)}.")
   checks.float_leaves(kernel, "kernel")
-  norms = _safe_norm(jnp.asarray(kernel, jnp.float32), axis=-2)
-  return weights_lib.row_distribution(norms)
+  return _estimate_class_dist(jnp.asarray(kernel))

@@ -6,20 +6,24 @@ clustered into Macro-Classes (MAC) by how often their bins agree, and each
 position takes a vote-weighted mean of the clusters' mean parameters.
 """
 
+import functools
 from typing import NamedTuple
 
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pflax._src import checks
-from pflax._src import fedavg as fedavg_lib
 from pflax._src import tree as tree_lib
 from pflax._src import types
 from pflax._src import weights as weights_lib
 
 _CV_EPS = 1e-12
 _HIGHEST = jax.lax.Precision.HIGHEST
+# Linkages within this relative distance of `sim_threshold` count as equal to it.
+_THRESHOLD_TIE = 2.0 ** -20
+_INT32_LIMIT = 2 ** 31
 
 
 def _count_dot(a: chex.Array, b: chex.Array, b_axis: int = 0) -> chex.Array:
@@ -32,19 +36,26 @@ def _count_dot(a: chex.Array, b: chex.Array, b_axis: int = 0) -> chex.Array:
                              preferred_element_type=jnp.int32)
 
 
-def high_dispersion(w: chex.Array, valid: chex.Array, cv_threshold: chex.Numeric,
-                    ddof: int) -> chex.Array:
-  """Bool `(n,)`: `cv_j = sigma_j / (|mu_j| + 1e-12) > tau` (Eq. 2-6)."""
-  w = jnp.asarray(w)
-  weight = jnp.asarray(valid).astype(w.dtype)
-  count = jnp.sum(weight)
-  mean = jnp.matmul(weight, w, precision=_HIGHEST) / count
-  squares = jax.lax.fori_loop(  # row by row: never materialises (w - mean)^2
-      0, w.shape[0], lambda i, acc: acc + weight[i] * jnp.square(w[i] - mean),
-      jnp.zeros_like(mean))
-  var = squares / (count - ddof)
-  cv = jnp.sqrt(var) / (jnp.abs(mean) + _CV_EPS)
-  return jnp.nan_to_num(cv, nan=-1.0, posinf=-1.0) > cv_threshold
+def _int_type(info: jnp.finfo) -> jnp.dtype:
+  return jnp.int32 if info.bits == 32 else jnp.int64
+
+
+def _exponent(x: chex.Array) -> chex.Array:
+  """`e` with `2^(e-1) <= |x| < 2^e` for normal `x` (frexp's), read from its bits.
+
+  Zero and subnormals give the smallest normal exponent, inf and NaN the
+  largest plus one.
+  """
+  info = jnp.finfo(x.dtype)
+  bits = jax.lax.bitcast_convert_type(x, _int_type(info))
+  return ((bits >> info.nmant) & (2 * info.maxexp - 1)) - (info.maxexp - 2)
+
+
+def _power_of_two(exponent: chex.Array, dtype: jnp.dtype) -> chex.Array:
+  """`2.0 ** exponent` exactly, built from its bits (exponent in the normal range)."""
+  info = jnp.finfo(dtype)
+  biased = (exponent + (info.maxexp - 1)).astype(_int_type(info)) << info.nmant
+  return jax.lax.bitcast_convert_type(biased, dtype)
 
 
 def _valid_range(w: chex.Array, valid: chex.Array) -> tuple[chex.Array, chex.Array]:
@@ -53,8 +64,6 @@ def _valid_range(w: chex.Array, valid: chex.Array) -> tuple[chex.Array, chex.Arr
   A loop over rows: on XLA-CPU a reduction over the leading (client) axis is
   an order of magnitude slower.
   """
-  w, valid = jnp.asarray(w), jnp.asarray(valid)
-
   def step(i, bounds):
     lo, hi = bounds
     return (jnp.where(valid[i], jnp.minimum(lo, w[i]), lo),
@@ -63,100 +72,168 @@ def _valid_range(w: chex.Array, valid: chex.Array) -> tuple[chex.Array, chex.Arr
   return jax.lax.fori_loop(0, w.shape[0], step, (inf, -inf))
 
 
-def micro_classes(w: chex.Array, valid: chex.Array, num_mic: int) -> chex.Array:
+class _Scaled(NamedTuple):
+  """A flattened leaf scaled per position by a power of two (see `_scaled`)."""
+  w: chex.Array        # (M, n) entries in (-1, 1) (unless beyond the normal range)
+  lo: chex.Array       # (n,) scaled min over valid clients
+  hi: chex.Array       # (n,) scaled max over valid clients
+  scale: chex.Array    # (n,) 2^-e, the factor applied
+  unscale: chex.Array  # (n,) 2^e, its exact inverse
+
+
+def _scaled(w: chex.Array, valid: chex.Array) -> _Scaled:
+  """`w * 2^-e_j` with `2^e_j > max_k |W_kj|` over valid clients.
+
+  Multiplying by a power of two is exact, and every statistic of steps 1-3 is
+  invariant to a per-position scale (the CV's `eps` is scaled with it), so the
+  scaled statistics equal the unscaled ones while no square, sum or
+  difference can overflow (FedSA used to call every position of `|W| ~ 1e19`
+  low-dispersion: its variance overflowed).
+  """
+  lo, hi = _valid_range(jax.lax.stop_gradient(w), valid)
+  info = jnp.finfo(w.dtype)
+  e = jnp.clip(_exponent(jnp.maximum(jnp.abs(lo), jnp.abs(hi))), info.minexp,
+               info.maxexp - 2)
+  scale, unscale = _power_of_two(-e, w.dtype), _power_of_two(e, w.dtype)
+  return _Scaled(w * scale, lo * scale, hi * scale, scale, unscale)
+
+
+def high_dispersion(x: _Scaled, valid: chex.Array, cv_threshold: chex.Numeric,
+                    ddof: int) -> chex.Array:
+  """Bool `(n,)`: `cv_j = sigma_j / (|mu_j| + 1e-12) > tau` (Eq. 2-6).
+
+  Tested as `sigma_j > tau (|mu_j| + 1e-12)` on the scaled leaf: no division,
+  and `cv_j` exactly `tau` is low dispersion. A position with `M - ddof <= 0`
+  valid clients is low dispersion.
+  """
+  weight = valid.astype(x.w.dtype)
+  count = jnp.sum(weight)
+  mean = jnp.matmul(weight, x.w, precision=_HIGHEST) / jnp.maximum(count, 1.0)
+  squares = jax.lax.fori_loop(  # row by row: never materialises (w - mean)^2
+      0, x.w.shape[0], lambda i, acc: acc + weight[i] * jnp.square(x.w[i] - mean),
+      jnp.zeros_like(mean))
+  sigma = jnp.sqrt(squares / jnp.maximum(count - ddof, 1.0))
+  eps = _CV_EPS * x.scale
+  return (count > ddof) & (sigma > cv_threshold * (jnp.abs(mean) + eps))
+
+
+def micro_classes(x: _Scaled, num_mic: int) -> chex.Array:
   """`(M, n)` MIC category of every entry: equal-width bins (Eq. 8-9).
 
   int8 (int32 if `num_mic > 127`): the smallest type keeps the one-hot passes
   of `category_agreement` and `_cluster_vote` cheap.
   """
-  lo, hi = _valid_range(w, valid)
-  width = (hi - lo) / num_mic
+  width = (x.hi - x.lo) / num_mic
   spread = width > 0
-  raw = jnp.floor((w - lo) / jnp.where(spread, width, 1.0))
+  raw = jnp.floor((x.w - x.lo) / jnp.where(spread, width, 1.0))
   dtype = jnp.int8 if num_mic <= 127 else jnp.int32
   return jnp.where(spread, jnp.clip(raw, 0, num_mic - 1), 0).astype(dtype)
 
 
 def category_agreement(categories: chex.Array, high: chex.Array,
                        num_mic: int) -> chex.Array:
-  """`(M, M)` number of high positions where bins agree (Eq. 10 times `|H|`).
+  """int32 `(M, M)` number of high positions where bins agree (Eq. 10 times `|H|`).
 
-  Kept as exact integer counts (in float32) so that the clustering's ties and
-  `q* >= p*` comparisons are decided exactly, not by rounding of `k / |H|`.
+  Exact integer counts, so that the clustering decides its ties and `q* >= p*`
+  exactly, not by rounding of `k / |H|`.
   """
   total = jnp.zeros((categories.shape[0],) * 2, jnp.int32)
   for v in range(num_mic):
     e = ((categories == v) & high).astype(jnp.int8)
     total = total + _count_dot(e, e, b_axis=1)
-  return total.astype(jnp.float32)
+  return total
 
 
-def _membership(member: chex.Array, num_mac: int) -> chex.Array:
-  """float32 `(num_mac, M)` one-hot cluster membership."""
-  return (member[None, :] == jnp.arange(num_mac)[:, None]).astype(jnp.float32)
+def _ratio_greater(a: chex.Array, b: chex.Array, c: chex.Array,
+                   d: chex.Array) -> chex.Array:
+  """`a / b > c / d` exactly for int32 `a, c >= -1` and `1 <= b, d <= M`.
+
+  Quotients and remainders: `r_a d` and `r_c b` stay below `M^2 < 2^31`.
+  """
+  qa, ra = jax.lax.div(a, b), jax.lax.rem(a, b)    # truncating: -1 -> (0, -1)
+  qc, rc = jax.lax.div(c, d), jax.lax.rem(c, d)
+  return (qa > qc) | ((qa == qc) & (ra * d > rc * b))
 
 
 class _Clustering(NamedTuple):
   """State of the greedy MAC clustering.
 
-  `sums[g]` is the sum of cluster g's members' similarity rows, updated as
-  clients join, so each step's average linkage costs `(num_mac, M)`, not a
-  `(num_mac, M) x (M, M)` product.
+  `sums[g]` is the sum of cluster g's members' agreement-count rows, updated as
+  clients join, so each step's average linkage `sums[g, c] / sizes[g]` costs
+  `(num_mac, M)`, not a `(num_mac, M) x (M, M)` product. All int32: linkages
+  are compared as exact ratios of integers.
   """
-  member: chex.Array   # int32 (M,): cluster of each client, -1 if free
-  count: chex.Array    # int32 (): clusters opened
-  sums: chex.Array     # float32 (num_mac, M)
-  sizes: chex.Array    # float32 (num_mac,)
+  member: chex.Array   # (M,): cluster of each client, -1 if free
+  count: chex.Array    # (): clusters opened
+  sums: chex.Array     # (num_mac, M)
+  sizes: chex.Array    # (num_mac,)
 
 
-def _linkage(state: _Clustering, scale: chex.Numeric = 1.0) -> chex.Array:
-  """`(num_mac, M)` average-linkage similarity of each cluster to each client.
+def _best_cluster(sums: chex.Array, sizes: chex.Array, exists: chex.Array
+                  ) -> tuple[chex.Array, chex.Array, chex.Array]:
+  """Per column of `sums (num_mac, ...)`, the existing cluster of highest average
+  linkage `sums[g] / sizes[g]` (first on ties), compared exactly.
 
-  One division of exact integer sums, so equal rationals compare equal.
+  Every pair of clusters at once: g wins a column if it beats each earlier
+  cluster strictly and no later one beats it. Returns its index, sum and
+  size; a column with no cluster gets sum -1.
   """
-  return state.sums / (jnp.maximum(state.sizes, 1.0)[:, None] * scale)
-
-
-def _first_argmax_2d(score: chex.Array) -> tuple[chex.Array, chex.Array]:
-  """Row and column of the first maximum in row-major order."""
-  flat = jnp.argmax(score.reshape(-1))
-  return flat // score.shape[1], flat % score.shape[1]
+  lead = (-1,) + (1,) * (sums.ndim - 1)
+  s = jnp.where(exists.reshape(lead), sums, -1)
+  n = jnp.broadcast_to(jnp.maximum(sizes, 1).reshape(lead), s.shape)
+  greater = _ratio_greater(s[:, None], n[:, None], s[None, :], n[None, :])
+  order = jnp.arange(sums.shape[0])
+  earlier = (order[None, :] < order[:, None]).reshape((sums.shape[0],) * 2 + lead[1:])
+  beats = jnp.where(earlier, greater, ~jnp.swapaxes(greater, 0, 1))
+  wins = jnp.all(beats | jnp.eye(sums.shape[0], dtype=bool).reshape(earlier.shape),
+                 axis=1)
+  g = jnp.argmax(wins, axis=0)
+  pick = lambda x: jnp.take_along_axis(x, g[None], axis=0)[0]
+  return g.astype(jnp.int32), pick(s), pick(n)
 
 
 def _best_free_pair(upper: chex.Array, free: chex.Array
                     ) -> tuple[chex.Array, chex.Array, chex.Array]:
-  """Score, row and column of the first best pair `a < b` of free clients.
+  """Count, row and column of the first best pair `a < b` of free clients.
 
-  `upper` holds the similarities above the diagonal and -inf elsewhere. A
+  `upper` holds the agreement counts above the diagonal and -1 elsewhere. A
   reduction along rows, then one row: the first maximum in row-major order
   without a variadic argmax over the `(M, M)` matrix.
   """
-  row_best = jnp.max(jnp.where(free[None, :], upper, -jnp.inf), axis=1)
-  row_best = jnp.where(free, row_best, -jnp.inf)
+  row_best = jnp.max(jnp.where(free[None, :], upper, -1), axis=1)
+  row_best = jnp.where(free, row_best, -1)
   a = jnp.argmax(row_best)
-  b = jnp.argmax(jnp.where(free, upper[a], -jnp.inf))
+  b = jnp.argmax(jnp.where(free, upper[a], -1))
   return row_best[a], a, b
 
 
 def _clustering_step(state: _Clustering, similarity: chex.Array, upper: chex.Array,
                      valid: chex.Array, num_mac: int) -> _Clustering:
-  """One greedy MAC step: join the best cluster or open one from the best pair."""
+  """One greedy MAC step: join the best cluster or open one from the best pair.
+
+  The best join is the first maximum in (cluster, client) order: per cluster
+  the first best free client (one denominator), then the clusters in order.
+  """
   free = valid & (state.member < 0)
   num_free = jnp.sum(free)
-  pair_score, a, b = _best_free_pair(upper, free)
+  pair_count, a, b = _best_free_pair(upper, free)
   exists = jnp.arange(num_mac) < state.count
-  join_score = jnp.where(exists[:, None] & free[None, :], _linkage(state), -jnp.inf)
-  g, c = _first_argmax_2d(join_score)
+  row = jnp.where(free[None, :], state.sums, -1)
+  cols = jnp.argmax(row, axis=1)
+  firsts = jnp.take_along_axis(row, cols[:, None], axis=1)[:, 0]
+  g, join_sum, join_size = _best_cluster(firsts, state.sizes, exists)
+  c = cols[g]
   has_pair, has_join = num_free >= 2, (state.count > 0) & (num_free >= 1)
   active = (state.count < num_mac) & (has_pair | has_join)
-  join = has_join & (~has_pair | (join_score[g, c] >= pair_score))
+  # q* >= p* with p* an integer count: floor(sum / size) >= p*.
+  join = has_join & (~has_pair | (jax.lax.div(join_sum, join_size) >= pair_count))
   joined = _Clustering(state.member.at[c].set(g), state.count,
                        state.sums.at[g].add(similarity[c]),
-                       state.sizes.at[g].add(1.0))
+                       state.sizes.at[g].add(1))
   opened = _Clustering(state.member.at[a].set(state.count).at[b].set(state.count),
                        state.count + 1,
                        state.sums.at[state.count].set(similarity[a] + similarity[b]),
-                       state.sizes.at[state.count].set(2.0))
+                       state.sizes.at[state.count].set(2))
   new = jax.tree.map(lambda x, y: jnp.where(join, x, y), joined, opened)
   return jax.tree.map(lambda x, y: jnp.where(active, x, y), new, state)
 
@@ -169,33 +246,39 @@ def macro_classes(similarity: chex.Array, valid: chex.Array, num_mac: int,
   and clients are left, the best unassigned client joins its best cluster if
   that beats the best unassigned pair (`q* >= p*`), else the best pair opens a
   new cluster (ties: lowest indices). Then each remaining client joins its most
-  similar (frozen) cluster if the similarity exceeds `sim_threshold`.
-  `similarity` holds agreement counts; `num_high` (`|H|`) turns them into
-  fractions for the threshold test.
+  similar (frozen) cluster (ties: lowest index) if the similarity exceeds
+  `sim_threshold`. `similarity` holds int32 agreement counts (`M <= 46340`,
+  sums below `2^31`); `num_high` (`|H|`) turns them into fractions for the
+  threshold test.
+
+  Every linkage comparison is exact: linkages are ratios of integers. The
+  threshold test reads a linkage within a relative `2^-20` of `sim_threshold`
+  as equal to it (not above): a linkage of exactly 1/5 never exceeds
+  `sim_threshold=0.2`, whichever way 0.2 rounds in float32.
 
   At most `M - 1` steps of `O(M^2)` (the best free pair) in a `lax.fori_loop`;
   once no step can change the clustering, the remaining ones are no-ops.
   """
   m = similarity.shape[0]
-  upper = jnp.where(jnp.triu(jnp.ones((m, m), bool), k=1), similarity, -jnp.inf)
+  upper = jnp.where(jnp.triu(jnp.ones((m, m), bool), k=1), similarity, -1)
   start = _Clustering(jnp.full((m,), -1, jnp.int32), jnp.zeros((), jnp.int32),
-                      jnp.zeros((num_mac, m), jnp.float32),
-                      jnp.zeros((num_mac,), jnp.float32))
+                      jnp.zeros((num_mac, m), jnp.int32),
+                      jnp.zeros((num_mac,), jnp.int32))
   state = jax.lax.fori_loop(
       0, max(m - 1, 0),
       lambda _, s: _clustering_step(s, similarity, upper, valid, num_mac), start)
   exists = jnp.arange(num_mac) < state.count
-  linkage = jnp.where(exists[:, None],
-                      _linkage(state, jnp.maximum(num_high, 1.0)), -jnp.inf)
-  best = jnp.argmax(linkage, axis=0).astype(jnp.int32)
-  late = valid & (state.member < 0) & (jnp.max(linkage, axis=0) > sim_threshold)
+  best, total, size = _best_cluster(state.sums, state.sizes, exists)
+  linkage = total / (size * jnp.maximum(num_high, 1)).astype(jnp.float32)
+  above = linkage > sim_threshold + _THRESHOLD_TIE * jnp.abs(sim_threshold)
+  late = valid & (state.member < 0) & (total >= 0) & above
   return jnp.where(late, best, state.member)
 
 
 def _cluster_vote(w: chex.Array, categories: chex.Array, member: chex.Array,
                   num_mic: int, num_mac: int) -> chex.Array:
   """`theta_j = sum_g alpha_gj P_gj` over clusters (Eq. 11-15)."""
-  onehot = _membership(member, num_mac)
+  onehot = (member[None, :] == jnp.arange(num_mac)[:, None]).astype(w.dtype)
   sizes = jnp.sum(onehot, axis=1)
   exists = sizes > 0
   means = jnp.matmul(onehot, w, precision=_HIGHEST) / jnp.maximum(sizes, 1.0)[:, None]
@@ -216,6 +299,7 @@ def _cluster_vote(w: chex.Array, categories: chex.Array, member: chex.Array,
 class _LeafStatistics(NamedTuple):
   """Steps 1-4 of FedSA on one flattened leaf `w (M, n)`."""
   w: chex.Array
+  scaled: _Scaled
   high: chex.Array
   categories: chex.Array
   similarity: chex.Array
@@ -225,20 +309,61 @@ def _leaf_statistics(leaf: chex.Array, valid: chex.Array, cv_threshold: chex.Num
                      num_mic: int, ddof: int) -> _LeafStatistics:
   """Dispersion, MIC categories and agreement counts of one stacked leaf."""
   w = leaf.reshape(leaf.shape[0], -1).astype(tree_lib.accumulation_dtype(leaf.dtype))
-  high = high_dispersion(w, valid, cv_threshold, ddof)
-  categories = micro_classes(w, valid, num_mic)
-  return _LeafStatistics(w, high, categories,
+  scaled = _scaled(w, valid)
+  high = high_dispersion(scaled, valid, cv_threshold, ddof)
+  categories = micro_classes(scaled, num_mic)
+  return _LeafStatistics(w, scaled, high, categories,
                          category_agreement(categories, high, num_mic))
 
 
 def _leaf_result(leaf: chex.Array, stats: _LeafStatistics, member: chex.Array,
                  client: chex.Array, num_mic: int, num_mac: int) -> chex.Array:
-  """Steps 6-7 given the leaf's clusters; returns the leaf without client axis."""
-  average = jnp.matmul(client, stats.w, precision=_HIGHEST)
+  """Steps 6-7 given the leaf's clusters; returns the leaf without client axis.
+
+  The cluster means are taken on the leaf scaled per position (no overflow of
+  their sums), then scaled back exactly.
+  """
+  average = jnp.matmul(client.astype(stats.w.dtype), stats.w, precision=_HIGHEST)
   clustered = jnp.any(member >= 0)
-  theta = _cluster_vote(stats.w, stats.categories, member, num_mic, num_mac)
+  theta = _cluster_vote(stats.scaled.w, stats.categories, member, num_mic, num_mac)
+  theta = theta * stats.scaled.unscale
   out = jnp.where(stats.high & clustered, theta, average)
   return out.reshape(leaf.shape[1:]).astype(leaf.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("num_mic", "num_mac", "ddof"))
+def _fedsa(params: types.Stacked, num_samples: chex.Array | None,
+           mask: chex.Array | None, cv_threshold: chex.Numeric,
+           sim_threshold: chex.Numeric, *, num_mic: int, num_mac: int,
+           ddof: int) -> types.Tree:
+  """`fedsa` after its boundary checks, compiled once per structure."""
+  leaves, treedef = jax.tree.flatten(weights_lib.zero_masked(params, mask))
+  m = leaves[0].shape[0]
+  valid = jnp.ones((m,), bool) if mask is None else mask
+  client = weights_lib.client_weights(num_samples, m, mask,
+                                      weights_lib.weight_dtype(params))
+  stats = [_leaf_statistics(x, valid, cv_threshold, num_mic, ddof) for x in leaves]
+  # Step 5 for all leaves at once: one batched loop compiles and runs faster
+  # than a loop per leaf.
+  members = jax.vmap(macro_classes, in_axes=(0, None, None, None, 0))(
+      jnp.stack([s.similarity for s in stats]), valid, num_mac, sim_threshold,
+      jnp.stack([jnp.sum(s.high, dtype=jnp.int32) for s in stats]))
+  weighted = jnp.sum(client) > 0         # traced zero total weight: zeros
+  return jax.tree.unflatten(treedef, [
+      jnp.where(weighted, _leaf_result(x, s, members[i], client, num_mic, num_mac),
+                jnp.zeros((), x.dtype))
+      for i, (x, s) in enumerate(zip(leaves, stats))])
+
+
+def _check_count_range(params: types.Stacked, m: int) -> None:
+  """Raises unless every leaf's agreement sums fit int32 (`M max(M, n) < 2^31`)."""
+  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    n = int(np.prod(np.shape(leaf)[1:], dtype=np.int64))
+    if m * max(m, n) >= _INT32_LIMIT:
+      raise ValueError(
+          f"params: fedsa counts bin agreements exactly in int32 and needs "
+          f"M * max(M, n) < 2**31 per leaf; leaf '{jax.tree_util.keystr(path)}' has "
+          f"M = {m} clients and n = {n} entries per client.")
 
 
 def fedsa(params: types.Stacked, num_samples: chex.Array | None = None, *,
@@ -264,7 +389,8 @@ def fedsa(params: types.Stacked, num_samples: chex.Array | None = None, *,
      positions get `theta_j = sum_g alpha_gj P_gj` (Eq. 13-15).
 
   Args:
-    params: stacked client parameters.
+    params: stacked client parameters (float16, bfloat16, float32, or float64
+      under x64; statistics in float32 or the wider input dtype).
     num_samples: optional `(M,)` sample counts for the low-dispersion average.
     cv_threshold: `tau`, threshold on the coefficient of variation (paper: 0.2).
     num_mic: number of MIC bins (>= 2; paper: 4, 5 for 100 classes, 8 for 200).
@@ -276,32 +402,38 @@ def fedsa(params: types.Stacked, num_samples: chex.Array | None = None, *,
   Returns:
     The global model: a tree without the client axis.
 
+  Raises:
+    ValueError: if no unmasked client has a positive weight (concrete inputs;
+      traced ones give zeros), or a leaf has `M max(M, n) >= 2^31` (the exact
+      int32 agreement counts would overflow). TypeError for non-floating or
+      complex leaves.
+
   Notes:
     The paper's equations were lost in its text; this follows the SPEC's
     reconstruction (§2.6) and reproduces its worked examples. Clustering is at
     most `M - 1` greedy steps of `O(M^2)` in a `lax.fori_loop`, so it jits
-    with static M.
+    with static M. Ties are decided exactly: agreement counts are int32 and
+    average linkages are compared as ratios of integers (so 5/25 equals 4/20);
+    a linkage within a relative 2^-20 of `sim_threshold` counts as equal to it.
+    Steps 1-3 and the cluster means run on the leaf scaled per position by a
+    power of two (exact; CV and bins are scale invariant), so magnitudes up to
+    the dtype's maximum neither overflow nor fall back to FedAvg. The CV test
+    is strict: `cv_j == tau` is low dispersion. Validation runs on the host,
+    then one jitted implementation per structure and static arguments, so
+    eager calls after the first cost as much as jitted ones.
 
   References:
     "FedSA: the Key of Parameter Skew in Federated Learning", Sec. 3,
     Eq. (2)-(15) and Algorithm 1.
   """
-  m = fedavg_lib.check_params(params, mask)
+  m, mask = checks.client_params(params, mask)
   weights_lib.check_client_vector(num_samples, m, "num_samples")
+  checks.some_weight(num_samples, mask)
   checks.in_range(cv_threshold, "cv_threshold", 0.0, None)
   checks.in_range(sim_threshold, "sim_threshold", None, None)
   checks.integer_at_least(num_mic, "num_mic", 2)
   checks.integer_at_least(num_mac, "num_mac", 1)
   checks.integer_at_least(ddof, "ddof", 0)
-  valid = jnp.ones((m,), bool) if mask is None else jnp.asarray(mask)
-  client = weights_lib.client_weights(num_samples, m, mask)
-  leaves, treedef = jax.tree.flatten(weights_lib.zero_masked(params, mask))
-  stats = [_leaf_statistics(x, valid, cv_threshold, num_mic, ddof) for x in leaves]
-  # Step 5 for all leaves at once: one batched loop compiles and runs faster
-  # than a loop per leaf.
-  members = jax.vmap(macro_classes, in_axes=(0, None, None, None, 0))(
-      jnp.stack([s.similarity for s in stats]), valid, num_mac, sim_threshold,
-      jnp.stack([jnp.sum(s.high, dtype=jnp.float32) for s in stats]))
-  return jax.tree.unflatten(treedef, [
-      _leaf_result(x, s, members[i], client, num_mic, num_mac)
-      for i, (x, s) in enumerate(zip(leaves, stats))])
+  _check_count_range(params, m)
+  return _fedsa(params, num_samples, mask, cv_threshold, sim_threshold,
+                num_mic=num_mic, num_mac=num_mac, ddof=ddof)

@@ -10,7 +10,8 @@ Algorithms select layers by path: FedReMa treats every fully connected layer
 after the convolutions as the classifier (``classifier``); cwFedAvg "Output"
 and FedClassAvg treat only the last Dense layer as the classifier
 (``classifier/output``), and FedClassAvg's contrastive loss acts on the
-representation entering ``output`` (:meth:`CNN.embed`).
+last hidden layer's linear output, before the ReLU that precedes ``output``
+(:meth:`CNN.representation`, the authors' ``fcin``).
 
 Parameters are plain pytrees: algorithms hold ``model.apply`` and parameters,
 never module objects.
@@ -57,11 +58,22 @@ class Head(nn.Module):
     ]
     self.output = nn.Dense(self.num_classes)
 
+  def representation(self, h: chex.Array) -> chex.Array:
+    """Returns the last hidden layer's linear output ``(B, D)``, before its ReLU.
+
+    This is FedClassAvg's contrastive representation: in the authors' code the
+    feature extractor ends with a linear layer ``fcin`` and the classifier is
+    ReLU + ``fcout``, so the supervised contrastive loss sees ``fcin``'s
+    output. With no hidden layer it is ``h`` itself.
+    """
+    for layer in self.layers[:-1]:
+      h = nn.relu(layer(h))
+    return self.layers[-1](h) if self.layers else h
+
   def embed(self, h: chex.Array) -> chex.Array:
     """Returns the representation ``(B, D)`` fed to ``output``."""
-    for layer in self.layers:
-      h = nn.relu(layer(h))
-    return h
+    z = self.representation(h)
+    return nn.relu(z) if self.layers else z
 
   def __call__(self, h: chex.Array) -> chex.Array:
     """Returns logits ``(B, K)`` for features ``h`` of shape ``(B, F)``."""
@@ -184,6 +196,10 @@ class _SplitModel(nn.Module):
   def embed(self, x: chex.Array) -> chex.Array:
     """Returns the representation ``(B, D)`` fed to ``classifier/output``."""
     return self.classifier.embed(self.features(x))
+
+  def representation(self, x: chex.Array) -> chex.Array:
+    """Returns the pre-ReLU representation ``(B, D)`` (:meth:`Head.representation`)."""
+    return self.classifier.representation(self.features(x))
 
 
 class CNN(_SplitModel):

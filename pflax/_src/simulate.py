@@ -34,6 +34,7 @@ class ExperimentConfig:
   dirichlet_alpha: float = 0.1
   iid_fraction: float = 0.2
   participation: float = 1.0
+  faulty_clients: float = 0.0
   rounds: int = 40
   eval_every: int = 1
   model: str = "auto"
@@ -102,6 +103,39 @@ def participants(key: chex.PRNGKey, num_clients: int, participation: float) -> c
   return jnp.sort(jax.random.permutation(key, num_clients)[:count])
 
 
+def group_participants(key: chex.PRNGKey, groups: list[np.ndarray],
+                       participation: float) -> list[np.ndarray]:
+  """A round's participants drawn over all clients, then split by group.
+
+  `participants(key, M, participation)` picks `max(1, round(p M))` of all
+  `M = sum_g len(groups[g])` clients, as in the paper's Algorithm 1; group g
+  (client indices `groups[g]`) trains the sorted positions of its chosen
+  clients, possibly none.
+  """
+  chosen = np.asarray(participants(key, sum(len(g) for g in groups), participation))
+  return [np.flatnonzero(np.isin(g, chosen)) for g in groups]
+
+
+def accuracies(kind: str, correct: np.ndarray, tests: np.ndarray) -> dict[str, float]:
+  """A round's accuracies of one kind of model (`pflax.algorithms.EVALUATED`).
+
+  `<kind>_accuracy` is sample-weighted (all correct test samples over all test
+  samples); `<kind>_client_mean` and `<kind>_client_std` are the unweighted
+  mean and the standard deviation (ddof 0) over clients of each client's own
+  accuracy, as the FedClassAvg paper reports them (mean ± std). Clients without
+  test samples have no accuracy and are left out of the mean and std.
+
+  Args:
+    kind: the kind of model, e.g. "personalized".
+    correct: `(M,)` correctly classified test samples per client.
+    tests: `(M,)` test samples per client.
+  """
+  own = correct[tests > 0] / tests[tests > 0]
+  return {f"{kind}_accuracy": float(np.sum(correct) / np.sum(tests)),
+          f"{kind}_client_mean": float(np.mean(own)),
+          f"{kind}_client_std": float(np.std(own))}
+
+
 def output_norms(params: Any) -> chex.Array:
   """`(M, K)` l2-norms of each client's output-layer weight vectors (Fig. 3)."""
   kernel = params["classifier"]["output"]["kernel"]
@@ -123,21 +157,64 @@ def healthy(took_part: chex.Array, trained: Any) -> chex.Array:
   return took_part & tree_lib.finite_clients(trained)
 
 
+FAULT_STREAM = 0xFA17
+"""`fold_in(participants_key, FAULT_STREAM)` draws a round's faulty clients."""
+
+
+def check_faults(fraction: float, name: str = "faulty_clients") -> None:
+  """Raises unless `fraction` (`ExperimentConfig.faulty_clients`) is in [0, 1)."""
+  if not 0.0 <= fraction < 1.0:
+    raise ValueError(f"{name} must be a fraction in [0, 1), got {fraction}.")
+
+
+def num_faulty(fraction: float, participants: int) -> int:
+  """`round(fraction * P)`: how many of a round's `P` participants are faulty."""
+  return int(round(fraction * participants))
+
+
+def faulty_clients(key: chex.PRNGKey, took_part: chex.Array, count: int,
+                   ids: chex.Array | None = None) -> chex.Array:
+  """Bool `(M,)`: `count` of the clients that took part (`num_faulty`).
+
+  Client `ids[i]` (default `i`) gets the score `uniform(fold_in(key, ids[i]))`
+  and the participants with the lowest scores are faulty, so the draw does not
+  depend on padding or on how clients are grouped.
+  """
+  ids = jnp.arange(took_part.shape[0]) if ids is None else ids
+  score = jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(key, i)))(ids)
+  score = jnp.where(took_part, score, 2.0)
+  rank = jnp.argsort(jnp.argsort(score))
+  return took_part & (rank < count)
+
+
+def upload_faults(trained: Any, faulty: chex.Array) -> Any:
+  """The uploads with every entry of the faulty clients set to NaN."""
+  def corrupt(x):
+    return jnp.where(faulty.reshape((-1,) + (1,) * (x.ndim - 1)),
+                     jnp.asarray(jnp.nan, x.dtype), x)
+  return jax.tree.map(corrupt, trained)
+
+
 def chosen_mask(num_clients: int, chosen: chex.Array) -> chex.Array:
   """Boolean `(M,)` mask of the chosen client indices."""
   return jnp.zeros(num_clients, bool).at[chosen].set(True)
 
 
 def round_record(t: int, losses: np.ndarray, took_part: np.ndarray,
-                 healthy: np.ndarray, order: np.ndarray) -> dict[str, Any]:
-  """A round's record: mean loss over healthy clients, dropped clients' indices.
+                 healthy: np.ndarray, faulty: np.ndarray,
+                 order: np.ndarray) -> dict[str, Any]:
+  """A round's record: mean loss over healthy clients, dropped and faulty clients.
 
-  `order[i]` is the client index of position i of the per-client arrays.
+  `dropped_clients` took part but were not aggregated (non-finite uploads, the
+  injected faults among them); `faulty_clients` are the injected faults
+  (`ExperimentConfig.faulty_clients`). `order[i]` is the client index of
+  position i of the per-client arrays.
   """
+  indices = lambda flags: sorted(int(order[i]) for i in np.flatnonzero(flags))
   return {"round": t + 1,
           "train_loss": float(np.sum(losses[healthy]) / max(healthy.sum(), 1)),
-          "dropped_clients": sorted(int(order[i]) for i in
-                                    np.flatnonzero(took_part & ~healthy))}
+          "dropped_clients": indices(took_part & ~healthy),
+          "faulty_clients": indices(faulty)}
 
 
 class _Programs(NamedTuple):
@@ -202,18 +279,20 @@ class _Group:
             key: chex.PRNGKey) -> tuple[Any, Any, chex.Array]:
     """Local training of the chosen clients: `(trained, opt_state, losses)`."""
     p = self.programs
+    if len(chosen) == 0:
+      return self.algorithm.start(state), opt_state, jnp.zeros(len(self.index))
     result = trainer(*p.inputs(state, opt_state, self.fed, chosen, key))
     return p.outputs(state, opt_state, chosen, result)
 
-  def evaluate(self, state: Any) -> tuple[Any, Any]:
-    """`(personalized, global or None)` stacked models of the group's clients."""
+  def evaluate(self, state: Any) -> dict[str, Any]:
+    """`{kind: stacked}` models of the group's clients to test (`Algorithm.evaluate`)."""
     return self.programs.evaluate(state)
 
-  def correct(self, stacked: Any) -> int:
-    """Correctly classified test samples over the group's clients."""
+  def correct(self, stacked: Any) -> np.ndarray:
+    """`(m,)` correctly classified test samples of each of the group's clients."""
     fed = self.fed
-    return int(jnp.sum(self.programs.correct(stacked, fed.test_x, fed.test_y,
-                                             fed.test_valid)))
+    return np.asarray(self.programs.correct(stacked, fed.test_x, fed.test_y,
+                                            fed.test_valid))
 
 
 def _groups(name: str, config: ExperimentConfig, setup: Setup) -> list[_Group]:
@@ -230,23 +309,51 @@ def _groups(name: str, config: ExperimentConfig, setup: Setup) -> list[_Group]:
 
 
 @functools.lru_cache(maxsize=64)
-def _server_step(algorithm: algos.Algorithm, num_groups: int) -> Callable[..., Any]:
-  """Jitted server step over all groups: health mask, then aggregation."""
+def _server_step(algorithm: algos.Algorithm, num_groups: int,
+                 fault_fraction: float) -> Callable[..., Any]:
+  """Jitted server step over all groups: faults, health mask, then aggregation.
 
-  def step(states, trained, chosen, key):
+  `step(states, trained, opt_before, opt_after, chosen, ids, key, fault_key)`
+  returns `(states, opt_states, took_part, healthy, faulty)`; unhealthy
+  clients are treated as absent (`pflax.algorithms.drop_unhealthy`) and a
+  round without any healthy client keeps the states.
+  """
+
+  def step(states, trained, opt_before, opt_after, chosen, ids, key, fault_key):
     took_part = [chosen_mask(tree_lib.num_clients(x), c) for x, c in zip(trained, chosen)]
+    sizes = np.cumsum([t.shape[0] for t in took_part])[:-1]
+    every = jnp.concatenate(took_part)
+    count = num_faulty(fault_fraction, sum(c.shape[0] for c in chosen))
+    faulty = (faulty_clients(fault_key, every, count, jnp.concatenate(ids))
+              if count else jnp.zeros_like(every))
+    trained = [upload_faults(x, f) for x, f in zip(trained, jnp.split(faulty, sizes))]
     health = [healthy(t, x) for t, x in zip(took_part, trained)]
+    kept = [algos.drop_unhealthy(algorithm, *args)
+            for args in zip(states, trained, opt_before, opt_after, health)]
+    trained, opt_states = (list(x) for x in zip(*kept))
     if num_groups == 1:
-      states = [algorithm.server_update(states[0], trained[0], health[0], key)]
+      new = [algorithm.server_update(states[0], trained[0], health[0], key)]
     else:
-      states = algos.fedclassavg_joint_update(states, trained, health)
-    return states, jnp.concatenate(took_part), jnp.concatenate(health)
+      new = algos.fedclassavg_joint_update(states, trained, health)
+    every_health = jnp.concatenate(health)
+    return (algos.keep_if_nobody(every_health, new, states), opt_states, every,
+            every_health, faulty)
 
   return jax.jit(step)
 
 
-def _summary(values: list[float]) -> dict[str, float]:
-  return {"best": float(max(values)), "final": float(np.mean(values[-FINAL_WINDOW:]))}
+def _summary(kind: str, history: list[dict[str, Any]]) -> dict[str, float] | None:
+  """`best` and `final` (mean of the last `FINAL_WINDOW` evaluations) of
+  `<kind>_accuracy`, with `client_mean` and `client_std` averaged over the same
+  final window; None if the kind was never evaluated."""
+  evaluated = [h for h in history if f"{kind}_accuracy" in h]
+  if not evaluated:
+    return None
+  values = [h[f"{kind}_accuracy"] for h in evaluated]
+  final = evaluated[-FINAL_WINDOW:]
+  return {"best": float(max(values)), "final": float(np.mean(values[-FINAL_WINDOW:])),
+          "client_mean": float(np.mean([h[f"{kind}_client_mean"] for h in final])),
+          "client_std": float(np.mean([h[f"{kind}_client_std"] for h in final]))}
 
 
 def _checkpoint_path(directory: str, algorithm: str, seed: int) -> str:
@@ -270,18 +377,28 @@ def run(algorithm: str, config: ExperimentConfig, seed: int, *,
   """Runs one algorithm for `config.rounds` rounds with one seed.
 
   Every random choice derives from `seed`: the partition, the initial model, and
-  per round (via `fold_in(key, round)`) the participants, the local shuffles and
-  the server's randomness, so a resumed run equals an uninterrupted one.
+  per round (via `fold_in(key, round)`) the participants, the local shuffles,
+  the server's randomness and the faulty clients (`config.faulty_clients`, a
+  stream of their own), so a resumed run equals an uninterrupted one.
 
   Returns:
     The run record of `results.json` (SPEC §5) plus `output_norms`.
   """
+  check_faults(config.faulty_clients)
   setup = setup or prepare(config, seed)
   groups = _groups(algorithm, config, setup)
   order = np.concatenate([g.index for g in groups])
-  server = _server_step(groups[0].algorithm, len(groups))
-  total = int(jnp.sum(setup.federation.test_valid))
-  evaluate = lambda models_: sum(g.correct(x) for g, x in zip(groups, models_)) / total
+  server = _server_step(groups[0].algorithm, len(groups), config.faulty_clients)
+  tests = np.asarray(jnp.sum(setup.federation.test_valid, axis=1))[order]
+
+  def evaluate(states):
+    held = [g.evaluate(s) for g, s in zip(groups, states)]
+    out = {}
+    for kind in (k for k in algos.EVALUATED if k in held[0]):
+      correct = np.concatenate([g.correct(h[kind]) for g, h in zip(groups, held)])
+      out.update(accuracies(kind, correct, tests))
+    return out
+
   init_key, warm_key, round_key = run_keys(seed)
 
   history, first = [], 0
@@ -297,25 +414,26 @@ def run(algorithm: str, config: ExperimentConfig, seed: int, *,
       if g.programs.warmup is not None:
         everyone = jnp.arange(len(g.index))
         trained, _, _ = g.train(g.programs.warmup, states[i], opt_states[i], everyone, warm_key)
+        trained, _ = algos.drop_unhealthy(g.algorithm, states[i], trained, opt_states[i],
+                                          opt_states[i], tree_lib.finite_clients(trained))
         states[i] = {**states[i], "params": trained}
 
   started = time.perf_counter()
   for t in range(first, config.rounds):
     sample_key, train_key, server_key = round_keys(round_key, t)
-    chosen = [participants(jax.random.fold_in(sample_key, i), len(g.index),
-                           config.participation) for i, g in enumerate(groups)]
+    chosen = group_participants(jax.random.fold_in(sample_key, 0),
+                                [g.index for g in groups], config.participation)
     outs = [g.train(g.programs.trainer, states[i], opt_states[i], chosen[i],
                     jax.random.fold_in(train_key, i)) for i, g in enumerate(groups)]
-    trained, opt_states, losses = (list(x) for x in zip(*outs))
-    states, took_part, healthy = server(states, trained, chosen, server_key)
-    took_part, healthy = np.asarray(took_part), np.asarray(healthy)
+    trained, trained_opt, losses = (list(x) for x in zip(*outs))
+    states, opt_states, took_part, healthy, faulty = server(
+        states, trained, opt_states, trained_opt, chosen, [g.index for g in groups],
+        server_key, jax.random.fold_in(sample_key, FAULT_STREAM))
+    took_part, healthy, faulty = (np.asarray(x) for x in (took_part, healthy, faulty))
     losses = np.concatenate([np.asarray(x) for x in losses])
-    record = round_record(t, losses, took_part, healthy, order)
+    record = round_record(t, losses, took_part, healthy, faulty, order)
     if (t + 1) % config.eval_every == 0 or t + 1 == config.rounds:
-      personal, global_ = zip(*[g.evaluate(s) for g, s in zip(groups, states)])
-      record["personalized_accuracy"] = evaluate(personal)
-      if global_[0] is not None:
-        record["global_accuracy"] = evaluate(global_)
+      record.update(evaluate(states))
     history.append(record)
     if on_round:
       on_round(record)
@@ -325,20 +443,22 @@ def run(algorithm: str, config: ExperimentConfig, seed: int, *,
 
   norms = np.zeros(setup.federation.counts.shape, np.float32)
   for g, s in zip(groups, states):
-    norms[g.index] = np.asarray(output_norms(g.evaluate(s)[0]))
+    norms[g.index] = np.asarray(output_norms(g.evaluate(s)["personalized"]))
   return run_record(algorithm, seed, history, norms, time.perf_counter() - started)
 
 
 def run_record(algorithm: str, seed: int, history: list[dict[str, Any]],
                norms: np.ndarray, seconds: float) -> dict[str, Any]:
-  """The record of one run in `results.json` (SPEC §5), plus `output_norms`."""
-  evaluated = [h for h in history if "personalized_accuracy" in h]
-  global_values = [h["global_accuracy"] for h in evaluated if "global_accuracy" in h]
+  """The record of one run in `results.json` (SPEC §5), plus `output_norms`.
+
+  Every kind of `pflax.algorithms.EVALUATED` has its `<kind>_accuracy` summary
+  (`_summary`), None where the algorithm has no such model.
+  """
   return {
       "algorithm": algorithm,
       "seed": seed,
-      "personalized_accuracy": _summary([h["personalized_accuracy"] for h in evaluated]),
-      "global_accuracy": _summary(global_values) if global_values else None,
+      **{f"{kind}_accuracy": _summary(kind, history) for kind in algos.EVALUATED},
+      "faulty_uploads": sum(len(h["faulty_clients"]) for h in history),
       "history": history,
       "seconds": seconds,
       "output_norms": np.asarray(norms).tolist(),

@@ -34,6 +34,7 @@ from pflax._src import algorithms as algos
 from pflax._src import models
 from pflax._src import simulate
 from pflax._src import train as train_lib
+from pflax._src import tree as tree_lib
 
 SWEEPABLE = {
     "lr": (0.0, None), "fedprox_mu": (0.0, None), "wdr_coef": (0.0, None),
@@ -47,18 +48,21 @@ SWEEPABLE = {
 
 
 class RoundMetrics(NamedTuple):
-  """Per-client outcome of one round `(..., M)`: losses, participation, health."""
+  """Per-client outcome of one round `(..., M)`: losses, participation, health,
+  injected faults."""
   losses: chex.Array
   took_part: chex.Array
   healthy: chex.Array
+  faulty: chex.Array
 
 
 class _Programs(NamedTuple):
   """A sweep's jitted steps, each over the leading run axis of its arguments.
 
   `init(values, seeds, feds) -> carry`, `round(values, carry, feds, seeds, t)
-  -> (carry, RoundMetrics)` and `evaluate(values, carry, feds) -> (correct,
-  correct_global_or_None, output_norms)`.
+  -> (carry, RoundMetrics)` and `evaluate(values, carry, feds) -> ({kind:
+  (S, M) correct test samples per client}, output_norms)`, one kind per
+  model of `Algorithm.evaluate`.
   """
   init: Callable[..., Any]
   round: Callable[..., Any]
@@ -91,14 +95,17 @@ class RoundInputs(NamedTuple):
   chosen: chex.Array | None
   took_part: chex.Array
   server_key: chex.PRNGKey
+  faulty: chex.Array | None = None
 
 
 def round_inputs(algorithm: algos.Algorithm, participation: float, num_clients: int,
                  carry: tuple[Any, Any], fed: algos.Federation,
-                 round_key: chex.PRNGKey, t: chex.Array) -> RoundInputs:
+                 round_key: chex.PRNGKey, t: chex.Array,
+                 fault_fraction: float = 0.0) -> RoundInputs:
   """Round `t`'s participants and their training inputs, for one run.
 
-  Keys and participants are those of `pflax.simulate.run` for a single
+  Keys, participants and faulty clients (`fault_fraction` of the
+  participants upload NaN) are those of `pflax.simulate.run` for a single
   architecture group. Clients from `num_clients` on are padding (see
   `pad_clients`): never chosen. With full participation nothing is gathered
   (`chosen` is None).
@@ -114,7 +121,12 @@ def round_inputs(algorithm: algos.Algorithm, participation: float, num_clients: 
     took_part = simulate.chosen_mask(m, chosen)
   clients = algos.client_inputs(algorithm, state, opt_state, fed, chosen,
                                 jax.random.fold_in(train_key, 0))
-  return RoundInputs(clients, chosen, took_part, server_key)
+  count = simulate.num_faulty(fault_fraction,
+                              num_clients if chosen is None else chosen.shape[0])
+  faulty = (simulate.faulty_clients(
+      jax.random.fold_in(sample_key, simulate.FAULT_STREAM), took_part, count)
+            if count else jnp.zeros_like(took_part))
+  return RoundInputs(clients, chosen, took_part, server_key, faulty)
 
 
 def round_outputs(algorithm: algos.Algorithm, carry: tuple[Any, Any],
@@ -122,15 +134,21 @@ def round_outputs(algorithm: algos.Algorithm, carry: tuple[Any, Any],
                   ) -> tuple[tuple[Any, Any], RoundMetrics]:
   """The server step of one run after local training: new carry and metrics.
 
-  Clients that did not take part or uploaded non-finite values are masked out
-  of the aggregation.
+  Clients that did not take part or uploaded non-finite values (the injected
+  faults among them) are treated as absent (`pflax.algorithms.drop_unhealthy`);
+  a round without any healthy client keeps the state.
   """
-  state, opt_state = carry
-  trained, opt_state, losses = algos.client_outputs(algorithm, state, opt_state,
+  state, opt_before = carry
+  trained, opt_after, losses = algos.client_outputs(algorithm, state, opt_before,
                                                     inputs.chosen, result)
+  trained = simulate.upload_faults(trained, inputs.faulty)
   healthy = simulate.healthy(inputs.took_part, trained)
-  state = algorithm.server_update(state, trained, healthy, inputs.server_key)
-  return (state, opt_state), RoundMetrics(losses, inputs.took_part, healthy)
+  trained, opt_state = algos.drop_unhealthy(algorithm, state, trained, opt_before,
+                                            opt_after, healthy)
+  new = algorithm.server_update(state, trained, healthy, inputs.server_key)
+  state = algos.keep_if_nobody(healthy, new, state)
+  return (state, opt_state), RoundMetrics(losses, inputs.took_part, healthy,
+                                          inputs.faulty)
 
 
 def _merge_runs(tree: Any) -> Any:
@@ -159,6 +177,8 @@ def _warm_outputs(algorithm: algos.Algorithm, carry: tuple[Any, Any],
   state, opt_state = carry
   trained, _, _ = algos.client_outputs(algorithm, state, opt_state, inputs.chosen,
                                        result)
+  trained, _ = algos.drop_unhealthy(algorithm, state, trained, opt_state, opt_state,
+                                    tree_lib.finite_clients(trained))
   return {**state, "params": trained}, opt_state
 
 
@@ -212,7 +232,8 @@ def _phase(build: Callable[[chex.Array], tuple[algos.Algorithm, Any]], strategy:
 @functools.lru_cache(maxsize=32)
 def _programs(name: str, model: Any, hp: algos.Hyperparameters, strategy: str,
               input_shape: tuple[int, ...], field: str | None,
-              participation: float, num_clients: int) -> _Programs:
+              participation: float, num_clients: int,
+              fault_fraction: float = 0.0) -> _Programs:
   """Jitted, run-vmapped init, round and evaluation of one algorithm.
 
   With "vmap" or "map" a round is one program over all runs. With "loop" the
@@ -235,7 +256,7 @@ def _programs(name: str, model: Any, hp: algos.Hyperparameters, strategy: str,
 
   def round_pre(algorithm, carry, fed, seed, t):
     return round_inputs(algorithm, participation, num_clients, carry, fed,
-                        simulate.run_keys(seed)[2], t)
+                        simulate.run_keys(seed)[2], t, fault_fraction)
 
   starting = jax.jit(jax.vmap(start))
   warm = (_phase(build, strategy, hp.fedclassavg_warmup_epochs, _warm_inputs,
@@ -254,11 +275,10 @@ def _programs(name: str, model: Any, hp: algos.Hyperparameters, strategy: str,
                                 "vmap" if strategy == "loop" else strategy)
 
   def evaluate(value, carry, fed):
-    personal, global_ = build(value)[0].evaluate(carry[0])
-    correct = lambda stacked: jnp.sum(count(stacked, fed.test_x, fed.test_y,
-                                            fed.test_valid))
-    return (correct(personal), None if global_ is None else correct(global_),
-            simulate.output_norms(personal))
+    held = build(value)[0].evaluate(carry[0])
+    correct = {kind: count(stacked, fed.test_x, fed.test_y, fed.test_valid)
+               for kind, stacked in held.items()}
+    return correct, simulate.output_norms(held["personalized"])
 
   return _Programs(init=init, round=round_, evaluate=jax.jit(jax.vmap(evaluate)))
 
@@ -290,7 +310,7 @@ def _compiled(programs: _Programs, mesh: jax.sharding.Mesh | None, value: Any,
     return programs
   m = feds.num_samples.shape[1]
   carry = client_shardings(jax.eval_shape(programs.init, value, seed, feds), mesh, m)
-  metrics = client_shardings(RoundMetrics(*[feds.num_samples] * 3), mesh, m)
+  metrics = client_shardings(RoundMetrics(*[feds.num_samples] * 4), mesh, m)
   return _Programs(init=jax.jit(programs.init, out_shardings=carry),
                    round=jax.jit(programs.round, out_shardings=(carry, metrics)),
                    evaluate=jax.jit(programs.evaluate))
@@ -367,12 +387,13 @@ def _runs(seeds: Sequence[int], values: Sequence[float]) -> list[tuple[float, in
 
 
 class Grid(NamedTuple):
-  """A sweep ready to run: compiled programs and the runs' placed inputs."""
+  """A sweep ready to run: compiled programs, the runs' placed inputs, and the
+  `(S, M)` test samples of each run's clients."""
   programs: _Programs
   feds: algos.Federation
   values: chex.Array
   seeds: chex.Array
-  totals: np.ndarray
+  tests: np.ndarray
 
 
 def _check_mesh(mesh: jax.sharding.Mesh) -> None:
@@ -398,17 +419,19 @@ def prepare_grid(algorithm: str, config: simulate.ExperimentConfig,
   if mesh is not None:
     _check_mesh(mesh)
   strategy = sweep_strategy(config.strategy, sharded=mesh is not None)
+  simulate.check_faults(config.faulty_clients)
   setups = dict(setups or {})
   for s in seeds:
     setups.setdefault(s, simulate.prepare(config, s))
   grid = _runs(seeds, values)
   setup = setups[seeds[0]]
   programs = _programs(algorithm, setup.model, config.hp, strategy, setup.input_shape,
-                       hyperparameter, config.participation, config.clients)
+                       hyperparameter, config.participation, config.clients,
+                       config.faulty_clients)
   feds = stack_federations([setups[s].federation for _, s in grid])
   value_arr = np.asarray([v for v, _ in grid], np.float32)
   seed_arr = np.asarray([s for _, s in grid], np.int32)
-  totals = np.asarray(jnp.sum(feds.test_valid, axis=(1, 2)))
+  tests = np.asarray(jnp.sum(feds.test_valid, axis=2))
   if mesh is not None:
     feds = pad_clients(feds, mesh.shape[mesh.axis_names[0]])
     m = feds.num_samples.shape[1]
@@ -416,7 +439,7 @@ def prepare_grid(algorithm: str, config: simulate.ExperimentConfig,
     value_arr, seed_arr = place((value_arr, seed_arr),
                                 client_shardings((value_arr, seed_arr), mesh, m))
   return Grid(_compiled(programs, mesh, value_arr, seed_arr, feds), feds, value_arr,
-              seed_arr, totals)
+              seed_arr, tests)
 
 
 def sweep(algorithm: str, config: simulate.ExperimentConfig, seeds: Sequence[int], *,
@@ -450,7 +473,7 @@ def sweep(algorithm: str, config: simulate.ExperimentConfig, seeds: Sequence[int
   """
   g = prepare_grid(algorithm, config, seeds, hyperparameter=hyperparameter,
                    values=values, setups=setups, mesh=mesh)
-  programs, feds, value_arr, seed_arr, totals = g
+  programs, feds, value_arr, seed_arr, tests = g
   grid = _runs(seeds, values)
   clients = np.arange(config.clients)
   carry = programs.init(value_arr, seed_arr, feds)
@@ -458,23 +481,22 @@ def sweep(algorithm: str, config: simulate.ExperimentConfig, seeds: Sequence[int
   started = time.perf_counter()
   for t in range(config.rounds):
     carry, metrics = programs.round(value_arr, carry, feds, seed_arr, jnp.int32(t))
-    losses, took_part, healthy = (_to_host(x) for x in metrics)
-    records = [simulate.round_record(t, losses[r], took_part[r], healthy[r], clients)
+    losses, took_part, healthy, faulty = (_to_host(x) for x in metrics)
+    records = [simulate.round_record(t, losses[r], took_part[r], healthy[r], faulty[r],
+                                     clients)
                for r in range(len(grid))]
     if (t + 1) % config.eval_every == 0 or t + 1 == config.rounds:
-      personal, global_, _ = programs.evaluate(value_arr, carry, feds)
-      personal = _to_host(personal) / totals
-      global_ = None if global_ is None else _to_host(global_) / totals
-      for r, record in enumerate(records):
-        record["personalized_accuracy"] = float(personal[r])
-        if global_ is not None:
-          record["global_accuracy"] = float(global_[r])
+      correct = programs.evaluate(value_arr, carry, feds)[0]
+      for kind in (k for k in algos.EVALUATED if k in correct):
+        counts = _to_host(correct[kind])[:, :config.clients]
+        for r, record in enumerate(records):
+          record.update(simulate.accuracies(kind, counts[r], tests[r]))
     for history, record in zip(histories, records):
       history.append(record)
     if on_round:
       on_round(t + 1, records)
   seconds = time.perf_counter() - started
-  norms = _to_host(programs.evaluate(value_arr, carry, feds)[2])[:, :config.clients]
+  norms = _to_host(programs.evaluate(value_arr, carry, feds)[1])[:, :config.clients]
   return [dict(simulate.run_record(algorithm, s, histories[r], norms[r], seconds),
                **({"hyperparameter": {hyperparameter: v}} if hyperparameter else {}))
           for r, (v, s) in enumerate(grid)]

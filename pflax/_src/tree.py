@@ -4,6 +4,10 @@ Mixing is the one primitive all aggregators share: `out[o] = sum_m w[o, m] x[m]`
 computed per leaf as a single `tensordot` over the client axis (on XLA-CPU a
 reduction over axis 0 is much slower than a dot), accumulated in float32 (or the
 leaf's dtype if wider) and returned in the leaf's dtype.
+
+Public functions check their inputs on the host, then run one module-level
+jitted program, so an eager call costs one dispatch (not one per primitive);
+inside a caller's `jit`, `vmap` or `grad` the inner jit is inlined.
 """
 
 from collections.abc import Callable, Sequence
@@ -16,9 +20,10 @@ import numpy as np
 
 from pflax._src import checks
 from pflax._src import types
+from pflax._src import weights as weights_lib
 
 _HIGHEST = jax.lax.Precision.HIGHEST
-_GRAM_BLOCK = 4096
+_GRAM_BLOCK_ENTRIES = 2 ** 18   # per block, over all clients (1 MiB of float32)
 
 
 def stack(trees: Sequence[types.Tree]) -> types.Stacked:
@@ -88,6 +93,11 @@ def mix_factored_leaf(left: chex.Array, right: chex.Array,
   return mix_leaf(jnp.matmul(left, right, precision=_HIGHEST), leaf)
 
 
+@jax.jit
+def _mix(weights: chex.Array, stacked: types.Stacked) -> types.Stacked:
+  return jax.tree.map(lambda x: mix_leaf(weights, x), stacked)
+
+
 def mix(weights: chex.Array, stacked: types.Stacked) -> types.Stacked:
   """Mixes clients: `out[o] = sum_m weights[o, m] * stacked[m]`.
 
@@ -103,18 +113,17 @@ def mix(weights: chex.Array, stacked: types.Stacked) -> types.Stacked:
     >>> mix(jnp.array([[0.5, 0.5]]), x)["w"]
     Array([[2.]], dtype=float32)
   """
-  m = checks.num_clients(stacked, "stacked")
+  m = checks.stacked_clients(stacked, "stacked")
   if np.ndim(weights) != 2 or np.shape(weights)[1] != m:
     raise ValueError(f"weights must have shape (O, M) with M = {m}, "
                      f"got {np.shape(weights)}.")
-  weights = jnp.asarray(weights)
-  return jax.tree.map(lambda x: mix_leaf(weights, x), stacked)
+  return _mix(jnp.asarray(weights), stacked)
 
 
-def normalize(weights: chex.Array) -> chex.Array:
-  """Divides non-negative weights by their sum along the last axis."""
-  weights = jnp.asarray(weights, jnp.float32)
-  return weights / jnp.sum(weights, axis=-1, keepdims=True)
+@jax.jit
+def _weighted_mean(stacked: types.Stacked, weights: chex.Array) -> types.Tree:
+  row = weights_lib.normalize(weights, weights_lib.weight_dtype(stacked))[None]
+  return jax.tree.map(lambda x: mix_leaf(row, x)[0], stacked)
 
 
 def weighted_mean(stacked: types.Stacked,
@@ -123,96 +132,151 @@ def weighted_mean(stacked: types.Stacked,
 
   Args:
     stacked: stacked pytree with M clients.
-    weights: optional non-negative `(M,)` weights (e.g. sample counts).
+    weights: optional non-negative `(M,)` weights (e.g. sample counts); at
+      least one must be positive.
 
   Returns:
-    A tree without the client axis.
+    A tree without the client axis, in the input dtypes.
+
+  Notes:
+    Weights are normalised in float32 (float64 for float64 leaves) after
+    scaling by a power of two near their maximum, so counts near the dtype's
+    maximum are fine.
+    All-zero concrete weights raise `ValueError`; traced all-zero weights
+    (inside `jit`) give a tree of zeros.
   """
-  m = checks.num_clients(stacked, "stacked")
+  m = checks.stacked_clients(stacked, "stacked")
   if weights is None:
     weights = jnp.ones((m,), jnp.float32)
   checks.shape(weights, "weights", (m,), "(M,)")
   checks.non_negative_finite(weights, "weights")
-  row = normalize(weights)[None]
-  return jax.tree.map(lambda x: mix_leaf(row, x)[0], stacked)
+  checks.some_weight(weights, None, "weights")
+  return _weighted_mean(stacked, jnp.asarray(weights))
 
 
-def _gram_leaf(x: chex.Array, offset: chex.Array | None) -> chex.Array:
-  """`d d^T` of one leaf, `d = x - offset` flattened to `(M, n)`, block by block.
+def _add_leaf_gram(carry: tuple[chex.Array, chex.Array], x: chex.Array,
+                   offset: chex.Array | None) -> tuple[chex.Array, chex.Array]:
+  """Adds one leaf's `d d^T`, `d = x - offset` flattened to `(M, n)`, to `carry`.
 
-  Blocks of `_GRAM_BLOCK` positions: the difference is never materialised, and
-  on XLA-CPU many cache-sized dots run about twice as fast as one long one.
+  `carry = (g, e)` is a Gram matrix of the rows `d_i / 2^e_i`. Cache-sized
+  blocks (about `_GRAM_BLOCK_ENTRIES` entries, at least 4096 positions): the
+  difference is never materialised (on XLA-CPU many cache-sized dots run about
+  twice as fast as one long one), and each block raises `e_i` to its largest
+  entry's exponent, rescaling `g` by exact powers of two, so no product
+  overflows or underflows.
   """
   m = x.shape[0]
+  size = max(4096, 2 ** int(np.log2(max(_GRAM_BLOCK_ENTRIES // m, 1))))
   x = jnp.reshape(x, (m, -1))
   offset = None if offset is None else jnp.reshape(offset, (m, -1))
+  acc = carry[0].dtype
 
-  def block(start: Any, size: int) -> chex.Array:
-    d = jax.lax.dynamic_slice_in_dim(x, start, size, 1)
-    if offset is not None:
-      d = d - jax.lax.dynamic_slice_in_dim(offset, start, size, 1)
-    d = d.astype(accumulation_dtype(d.dtype))
-    return jax.lax.dot_general(d, d, (((1,), (1,)), ((), ())), precision=_HIGHEST)
+  def block(start: Any, width: int,
+            carry: tuple[chex.Array, chex.Array]) -> tuple[chex.Array, chex.Array]:
+    g, e = carry
+    d = jax.lax.dynamic_slice_in_dim(x, start, width, 1).astype(acc)
+    if offset is not None:  # subtracted in `acc`: float16 differences can overflow
+      d = d - jax.lax.dynamic_slice_in_dim(offset, start, width, 1).astype(acc)
+    top = jax.lax.stop_gradient(jnp.max(jnp.abs(d), axis=1))
+    new = jnp.maximum(e, weights_lib.scale_exponent(top))
+    shrink = weights_lib.power_of_two(e - new, acc)
+    d = d * weights_lib.power_of_two(-new, acc)[:, None]
+    dd = jax.lax.dot_general(d, d, (((1,), (1,)), ((), ())), precision=_HIGHEST)
+    return g * shrink[:, None] * shrink[None, :] + dd, new
 
-  count, rest = divmod(x.shape[1], _GRAM_BLOCK)
-  g = jnp.zeros((m, m), accumulation_dtype(
-      x.dtype if offset is None else jnp.result_type(x, offset)))
+  count, rest = divmod(x.shape[1], size)
   if count:
-    g = jax.lax.fori_loop(0, count,
-                          lambda i, g: g + block(i * _GRAM_BLOCK, _GRAM_BLOCK), g)
+    carry = jax.lax.fori_loop(0, count, lambda i, c: block(i * size, size, c), carry)
   if rest:
-    g = g + block(count * _GRAM_BLOCK, rest)
-  return g
+    carry = block(count * size, rest, carry)
+  return carry
 
 
-def gram(stacked: types.Stacked, offset: types.Stacked | None = None) -> chex.Array:
-  """`(M, M)` inner products of clients' flattened `stacked - offset`, leaf by leaf.
+def scaled_gram(stacked: types.Stacked,
+                offset: types.Stacked | None = None) -> tuple[chex.Array, chex.Array]:
+  """Gram matrix of clients' flattened `stacked - offset`, rows scaled by powers of 2.
 
-  `offset` (same structure, or None for zero) is subtracted block by block, so
-  e.g. the Gram of model updates never materialises the updates.
+  Returns `(g, e)`: `g[i, j] = <d_i, d_j> / 2^(e_i + e_j)` with `2^e_i` about
+  client i's largest `|d_i|` entry, so `g`'s entries stay within
+  `[-n, n]` for n positions whatever the magnitudes (updates of 1e20 or 1e-30
+  alike; subnormal entries count as 0, as XLA-CPU flushes them); cosines
+  from `g` equal those of the plain Gram. `offset` (same
+  structure, or None for zero) is subtracted block by block, in float32 (or the
+  leaves' dtype if wider), so e.g. the Gram of model updates never materialises
+  the updates. The scaling is by exact powers of two, so it adds no rounding:
+  for moderate magnitudes `g * 2^(e_i + e_j)` is the unscaled blocked Gram
+  bit for bit.
   """
-  offsets = ([None] * len(jax.tree.leaves(stacked)) if offset is None
-             else jax.tree.leaves(offset))
-  grams = [_gram_leaf(x, o) for x, o in zip(jax.tree.leaves(stacked), offsets)]
-  return sum(grams[1:], grams[0])
+  xs = jax.tree.leaves(stacked)
+  offsets = [None] * len(xs) if offset is None else jax.tree.leaves(offset)
+  acc = accumulation_dtype(jnp.result_type(*xs, *[o for o in offsets if o is not None]))
+  m = xs[0].shape[0]
+  carry = (jnp.zeros((m, m), acc),
+           weights_lib.scale_exponent(jnp.zeros((m,), acc)))  # the lowest exponent
+  for x, o in zip(xs, offsets):
+    carry = _add_leaf_gram(carry, x, o)
+  return carry
 
 
-def cosine_from_gram(g: chex.Array, eps: float = 1e-12) -> chex.Array:
+def cosine_from_gram(g: chex.Array, eps: chex.Numeric = 1e-12,
+                     exponents: chex.Array | None = None) -> chex.Array:
   """Cosines from a Gram matrix; pairs involving a zero vector get cosine 0.
 
-  The square root is guarded so a zero vector has a finite (zero) gradient.
+  `g` may be scaled as by `scaled_gram` (true norms `sqrt(g_ii) 2^e_i` with
+  `exponents` e, zero if None): a pair whose true norms multiply to at most
+  `eps` gets cosine 0, as does a vector with a non-finite norm. The square root
+  is guarded so a zero vector has a finite (zero) gradient.
   """
   sq = jnp.diagonal(g)
   positive = sq > 0
   norms = jnp.where(positive, jnp.sqrt(jnp.where(positive, sq, 1.0)), 0.0)
+  log_norms = jnp.log2(jnp.where(positive, norms, 1.0))
+  if exponents is not None:
+    log_norms = log_norms + exponents
+  log_norms = jnp.where(positive, log_norms, -jnp.inf)
   denom = norms[:, None] * norms[None, :]
-  safe = denom > eps
+  safe = (log_norms[:, None] + log_norms[None, :] > jnp.log2(eps)) & (denom > 0)
   return jnp.where(safe, g / jnp.where(safe, denom, 1.0), 0.0)
 
 
-def cosine_similarity(stacked: types.Stacked, eps: float = 1e-12) -> chex.Array:
+@jax.jit
+def _cosine_similarity(stacked: types.Stacked, eps: chex.Numeric) -> chex.Array:
+  g, exponents = scaled_gram(stacked)
+  return cosine_from_gram(g, eps, exponents)
+
+
+def cosine_similarity(stacked: types.Stacked, eps: chex.Numeric = 1e-12) -> chex.Array:
   """`(M, M)` cosine similarities between clients' flattened parameter vectors.
 
-  Computed as a sum of per-leaf Gram matrices, never concatenating the model. A
-  client whose vector has norm 0 has cosine 0 with every client (itself too).
+  Computed as a sum of per-leaf Gram matrices, never concatenating the model,
+  with each client's vector scaled by a power of two near its largest entry, so
+  no product overflows (vectors of 1e30) or underflows (1e-30); small vectors
+  get cosine 0 only through `eps`. A client whose vector has norm 0 has cosine
+  0 with every client (itself too).
 
   Args:
     stacked: stacked pytree with M clients.
-    eps: products of norms at or below `eps` give cosine 0.
+    eps: pairs whose norms multiply to at most `eps` get cosine 0.
 
   Returns:
-    A float32 `(M, M)` matrix.
+    A float32 `(M, M)` matrix (float64 for float64 leaves).
   """
-  checks.num_clients(stacked, "stacked")
-  return cosine_from_gram(gram(stacked), eps)
+  checks.stacked_clients(stacked, "stacked")
+  return _cosine_similarity(stacked, eps)
+
+
+@jax.jit
+def _finite_clients(stacked: types.Stacked) -> chex.Array:
+  m = jax.tree.leaves(stacked)[0].shape[0]
+  flags = [jnp.all(jnp.isfinite(x.reshape(m, -1)), axis=1)
+           for x in jax.tree.leaves(stacked)]
+  return jnp.stack(flags).all(axis=0)
 
 
 def finite_clients(stacked: types.Stacked) -> chex.Array:
   """Bool `(M,)`: True for clients whose every leaf entry is finite."""
-  m = checks.num_clients(stacked, "stacked")
-  flags = [jnp.all(jnp.isfinite(x.reshape(m, -1)), axis=1)
-           for x in jax.tree.leaves(stacked)]
-  return jnp.stack(flags).all(axis=0)
+  checks.stacked_clients(stacked, "stacked")
+  return _finite_clients(stacked)
 
 
 def concat(stacked_list: Sequence[types.Stacked]) -> types.Stacked:
@@ -281,6 +345,35 @@ def selection(tree: Any, where: types.Selector | None) -> list[bool]:
     raise ValueError("where must be a callable (path, leaf) -> bool or a pytree of "
                      "bools with the same structure as the parameters.")
   return [bool(f) for f in flags]
+
+
+def _top_level_keys(tree: Any) -> str:
+  """The tree's top-level keys, and the keys inside a single one (Flax's "params")."""
+  paths = [path_names(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
+  top = list(dict.fromkeys(p[0] for p in paths if p))
+  text = f"top-level keys: {top}"
+  if len(top) == 1:
+    inner = list(dict.fromkeys(p[1] for p in paths if len(p) > 1))
+    if inner:
+      text += f", inside {top[0]!r}: {inner}"
+  return text
+
+
+def required_selection(tree: Any, where: types.Selector | None,
+                       name: str = "where") -> list[bool]:
+  """Like `selection`, but a `where` (not None) that selects no leaf is an error.
+
+  A selector that matches nothing (a typo, or module names of another model)
+  would silently turn a layer-wise method into plain FedAvg or into a no-op.
+  The `ValueError` names `name` and lists the tree's top-level keys.
+  """
+  flags = selection(tree, where)
+  if where is not None and not any(flags):
+    raise ValueError(
+        f"{name} selects no leaf of the parameters ({_top_level_keys(tree)}). "
+        "Selectors such as pflax.tree.under(...) match module names anywhere in "
+        "a leaf's path.")
+  return flags
 
 
 def partition(tree: Any, where: types.Selector) -> tuple[Any, Any]:

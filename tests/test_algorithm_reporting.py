@@ -1,0 +1,113 @@
+"""What the algorithms evaluate and how runs report it (issue 11: 7, 10, 12, 13, 16)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pflax import models
+from pflax._src import algorithms as algos
+from pflax._src import cli
+from pflax._src import losses
+from pflax._src import simulate
+from pflax._src import train
+
+HP = algos.Hyperparameters()
+
+
+def _numpy_params(model, input_shape, seed=0):
+  abstract = jax.eval_shape(model.init, jax.random.key(0),
+                            jax.ShapeDtypeStruct((1, *input_shape), jnp.float32))
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(lambda s: rng.standard_normal(s.shape).astype(np.float32),
+                      abstract["params"])
+
+
+def test_fedclassavg_personalized_model_is_own_features_with_own_classifier():
+  # Item 7: own heads classify every test sample right, the global head none.
+  eye, swap = np.eye(2, dtype=np.float32), np.eye(2, dtype=np.float32)[::-1]
+  dense = lambda kernel: {"kernel": jnp.asarray(np.stack([kernel, kernel])),
+                          "bias": jnp.zeros((2, 2))}
+  params = {"features": {"dense_0": dense(eye)},
+            "classifier": {"hidden_0": dense(eye), "output": dense(eye)}}
+  state = {"params": params, "n": jnp.ones(2),
+           "head": {"kernel": jnp.asarray(swap), "bias": jnp.zeros(2)}}
+  model = models.MLP(2, hidden=(2, 2))
+  held = algos.fedclassavg(model, HP).evaluate(state)
+  assert set(held) == {"personalized", "global"}
+  x, y = jnp.asarray([[1.0, 0.0], [0.0, 2.0], [3.0, 1.0]]), jnp.asarray([0, 1, 0])
+  apply = lambda p, x: model.apply({"params": p}, x)
+  for kind, expected in (("personalized", 3), ("global", 0)):
+    for i in range(2):
+      client = jax.tree.map(lambda a, i=i: a[i], held[kind])
+      correct = train.evaluate_client(apply, client, x, y, jnp.ones(3, bool))
+      assert int(correct) == expected
+
+
+def test_fedclassavg_supcon_receives_the_pre_relu_representation(monkeypatch):
+  # Item 12: the authors' SupCon sees `fcin`'s linear output, before the ReLU.
+  model = models.MLP(3, hidden=(5, 4))
+  params = _numpy_params(model, (8, 8, 1))
+  # Constant images: the pad-and-crop augmentation leaves them unchanged.
+  x = np.broadcast_to(np.asarray([0.5, -1.0, 2.0, 1.5], np.float32)[:, None, None, None],
+                      (4, 8, 8, 1))
+  seen, supcon = [], losses.supcon
+  spy = lambda f, *args, **kwargs: seen.append(f) or supcon(f, *args, **kwargs)
+  monkeypatch.setattr(losses, "supcon", spy)
+  batch = train.Batch(jnp.asarray(x), jnp.asarray([0, 1, 1, 2]), jnp.ones(4, bool))
+  algos.fedclassavg(model, HP).loss(params, params["classifier"]["output"], batch,
+                                    jax.random.PRNGKey(0))
+  f, c = params["features"]["dense_0"], params["classifier"]["hidden_0"]
+  h = np.maximum(x.reshape(4, -1) @ f["kernel"] + f["bias"], 0.0)
+  z = h @ c["kernel"] + c["bias"]
+  assert (z < 0).any()  # post-ReLU features would differ
+  np.testing.assert_allclose(seen[0], np.concatenate([z, z]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("participation,expected", [(0.1, 2), (0.25, 5), (1.0, 20)])
+def test_heterogeneous_participants_are_drawn_over_all_clients(participation, expected):
+  # Item 10: round(p M) clients of all M, not max(1, round(p M_g)) per group
+  # (p = 0.1 of four groups of 5 drew 4 clients).
+  groups = [np.arange(g, 20, 4) for g in range(4)]
+  for seed in range(4):
+    key = jax.random.PRNGKey(seed)
+    split = simulate.group_participants(key, groups, participation)
+    chosen = np.sort(np.concatenate([g[c] for g, c in zip(groups, split)]))
+    assert len(chosen) == expected
+    np.testing.assert_array_equal(chosen, simulate.participants(key, 20, participation))
+
+
+def test_accuracies_weighted_and_unweighted_over_clients():
+  # Item 13: by hand; the client without test samples has no accuracy.
+  out = simulate.accuracies("personalized", np.array([3, 1, 0]), np.array([4, 2, 0]))
+  assert out == pytest.approx({"personalized_accuracy": 4 / 6,
+                               "personalized_client_mean": 0.625,
+                               "personalized_client_std": 0.125})
+
+
+def test_feddwa_reports_exclusive_models_never_as_global():
+  # Item 16.
+  state = {"exclusive": {"w": jnp.zeros((2, 1))}, "personal": {"w": jnp.ones((2, 1))}}
+  held = algos.feddwa(models.MLP(2), HP).evaluate(state)
+  assert set(held) == {"personalized", "exclusive"}
+  np.testing.assert_array_equal(held["personalized"]["w"], 1.0)
+
+
+def _run(name, weighted, mean, std, global_=None, exclusive=None):
+  summary = lambda a: {"best": a, "final": a, "client_mean": a, "client_std": 0.0}
+  return {"algorithm": name, "seed": 0,
+          "personalized_accuracy": {"best": weighted, "final": weighted,
+                                    "client_mean": mean, "client_std": std},
+          "global_accuracy": global_ and summary(global_),
+          "exclusive_accuracy": exclusive and summary(exclusive)}
+
+
+def test_table_shows_exclusive_and_per_client_columns():
+  table = cli._table([_run("fedavg", 0.9, 0.8, 0.1, global_=0.5),
+                      _run("feddwa", 0.95, 0.9, 0.05, exclusive=0.4)]).splitlines()
+  assert "global final | exclusive final" in table[0]
+  cells = lambda row: [c.strip() for c in row.strip("|").split("|")]
+  assert cells(table[2]) == ["fedavg", "90.00 ± 0.00", "90.00 ± 0.00", "80.00 (10.00)",
+                             "50.00 ± 0.00", "—"]
+  assert cells(table[3]) == ["feddwa", "95.00 ± 0.00", "95.00 ± 0.00", "90.00 (5.00)",
+                             "—", "40.00 ± 0.00"]

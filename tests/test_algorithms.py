@@ -1,0 +1,554 @@
+"""Each algorithm's pieces against hand computations and `references.py`.
+
+For all eight algorithms: the local loss value on a fixed batch, the optimizer
+and its state's lifecycle (fresh each round, or kept by FedReMa), the models
+`evaluate` returns, and the server step when a client is absent, uploads
+non-finite parameters, or is padding (the sharded sweep's empty clients).
+
+A tiny MLP (16 -> 4 -> 3 -> 3) on constant 4x4 images keeps everything fast;
+constant images make FedClassAvg's random translations the identity, so its
+two views equal the input and its loss has a closed form.
+"""
+
+import dataclasses
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pflax import algorithms
+from pflax import models
+from pflax import train
+from pflax._src import algorithms as algorithms_lib
+from pflax._src import sweep as sweep_lib
+
+import references as ref
+
+M, K, L = 4, 3, 4
+IMAGE = (4, 4, 1)
+MODEL = models.MLP(K, hidden=(4, 3))
+NAMES = algorithms.NAMES
+N = np.array([3, 4, 2, 4])          # training samples per client
+ABSENT = 1                          # the client left out of the partial rounds
+# Every method hyperparameter away from its default, so a wrongly wired one shows.
+HP = algorithms.Hyperparameters(
+    lr=0.05, momentum=0.9, fedprox_mu=0.3, wdr_coef=2.0, fedclassavg_rho=0.8,
+    fedclassavg_lr=0.01, supcon_temperature=2.0, supcon_base_temperature=0.5,
+    fedsa_cv_threshold=0.5, fedsa_sim_threshold=0.3, fedsa_num_mic=3,
+    fedsa_num_mac=1, feddwa_alpha=0.3, feddwa_lambda=0.7, feddwa_temperature=0.5,
+    fedrema_temperature=0.7)
+# One MAC cluster: the clients left out join it above sim_threshold (SPEC §2.6).
+FEDSA_KWARGS = dict(cv_threshold=0.5, num_mic=3, num_mac=1, sim_threshold=0.3)
+KEY = jax.random.PRNGKey(0)
+
+
+# ------------------------------------------------------------------ fixtures
+
+
+def _random_params(rng, m, scale=1.0):
+  """A stacked MLP parameter tree with `m` different clients, float32."""
+  shapes = jax.eval_shape(MODEL.init, KEY, jnp.zeros((1, *IMAGE)))["params"]
+  return jax.tree.map(
+      lambda s: jnp.asarray(scale * rng.normal(size=(m, *s.shape)), jnp.float32), shapes)
+
+
+def _federation(num_samples):
+  """Constant images (one value per sample), first `n_i` samples valid."""
+  rng = np.random.default_rng(1)
+  m = len(num_samples)
+  values = rng.uniform(-1.0, 1.0, size=(m, L))
+  x = np.broadcast_to(values[..., None, None, None], (m, L, *IMAGE)).astype(np.float32)
+  y = rng.integers(0, K, size=(m, L)).astype(np.int32)
+  valid = np.arange(L)[None, :] < np.asarray(num_samples)[:, None]
+  counts = np.stack([np.bincount(y[i][valid[i]], minlength=K) for i in range(m)])
+  return algorithms.Federation(
+      x=jnp.asarray(x), y=jnp.asarray(y), valid=jnp.asarray(valid), test_x=jnp.asarray(x),
+      test_y=jnp.asarray(y), test_valid=jnp.asarray(valid), counts=jnp.asarray(counts),
+      num_samples=jnp.asarray(num_samples, jnp.float32))
+
+
+FED = _federation(N)
+INIT = _random_params(np.random.default_rng(2), M)       # P: clients' initial models
+TRAINED = jax.tree.map(lambda p, d: p + d, INIT,          # T: what they upload
+                       _random_params(np.random.default_rng(3), M, scale=0.5))
+
+
+@functools.cache
+def _algorithm(name, hp=HP):
+  return algorithms.get_algorithm(name, MODEL, hp, IMAGE)
+
+
+@functools.cache
+def _server_update(name):
+  """The jitted server step, compiled once per algorithm for the whole file."""
+  return jax.jit(_algorithm(name).server_update)
+
+
+def _rows(tree, index):
+  return jax.tree.map(lambda x: x[np.asarray(index)], tree)
+
+
+def _choose(mask, new, old):
+  """Per client: `new` where mask, else `old` (stacked JAX trees)."""
+  return jax.tree.map(
+      lambda a, b: jnp.where(mask.reshape((-1,) + (1,) * (a.ndim - 1)), a, b), new, old)
+
+
+def _np(tree):
+  return jax.tree.map(lambda x: np.asarray(x, np.float64), tree)
+
+
+def _where(mask, new, old):
+  """Per client: `new` where mask, else `old` (NumPy)."""
+  return jax.tree.map(
+      lambda a, b: np.where(mask.reshape((-1,) + (1,) * (a.ndim - 1)), a, b),
+      _np(new), _np(old))
+
+
+def _broadcast(tree, m):
+  return jax.tree.map(lambda x: np.stack([x] * m), tree)
+
+
+def _with_output(params, output):
+  return {**params, "classifier": {**params["classifier"], "output": output}}
+
+
+def _split_output(params):
+  """`(output layer, the other leaves)` of a parameter tree."""
+  rest = {**params, "classifier": {k: v for k, v in params["classifier"].items()
+                                   if k != "output"}}
+  return params["classifier"]["output"], rest
+
+
+def _fedrema_upload(trained):
+  """Zero output kernels: the probe's logits are the output biases, whatever the probe."""
+  out = trained["classifier"]["output"]
+  return _with_output(trained, {**out, "kernel": jnp.zeros_like(out["kernel"])})
+
+
+def _upload(name, trained):
+  """The stacked upload of each algorithm: FedDWA trains a pair `(w, v)`."""
+  if name == "feddwa":
+    return {"w": trained, "v": jax.tree.map(lambda x: 0.5 * x, trained)}
+  return _fedrema_upload(trained) if name == "fedrema" else trained
+
+
+# ----------------------------------------------------- NumPy model and losses
+
+
+def _np_forward(params, x):
+  """`(representation, logits)` of the MLP in float64: `z = hidden_0(relu(dense_0(x)))`
+  before its ReLU (FedClassAvg's contrastive representation, the authors' `fcin`),
+  `logits = output(relu(z))`."""
+  p = _np(params)
+  x = np.asarray(x, np.float64).reshape(len(x), -1)
+  dense, hidden, output = (p["features"]["dense_0"], p["classifier"]["hidden_0"],
+                           p["classifier"]["output"])
+  h = np.maximum(x @ dense["kernel"] + dense["bias"], 0.0)
+  z = h @ hidden["kernel"] + hidden["bias"]
+  return z, np.maximum(z, 0.0) @ output["kernel"] + output["bias"]
+
+
+BATCH_VALUES = np.array([0.3, -0.5, 0.8, 0.1, 2.0])
+BATCH = train.Batch(
+    x=jnp.asarray(np.broadcast_to(BATCH_VALUES[:, None, None, None], (5, *IMAGE)),
+                  jnp.float32),
+    y=jnp.array([0, 1, 0, 2, 1]),
+    mask=jnp.array([True, True, True, True, False]))   # the last sample is padding
+
+
+def _ce(params):
+  return ref.cross_entropy_ref(_np_forward(params, BATCH.x)[1], np.asarray(BATCH.y),
+                               np.asarray(BATCH.mask))
+
+
+def _supcon(params):
+  z = _np_forward(params, BATCH.x)[0]
+  labels, mask = np.asarray(BATCH.y), np.asarray(BATCH.mask)
+  return ref.supcon_ref(np.concatenate([z, z]), np.concatenate([labels, labels]),
+                        HP.supcon_temperature, HP.supcon_base_temperature,
+                        np.concatenate([mask, mask]))
+
+
+# -------------------------------------------------------------- expected state
+
+
+def _fedrema_soft(trained):
+  bias = _np(trained)["classifier"]["output"]["bias"]
+  return ref.soft_logits_ref(bias, HP.fedrema_temperature)
+
+
+def _expected(name, init, trained, num_samples, mask):
+  """The models `evaluate` returns after one server step from `init(init)`.
+
+  `trained` is the upload (masked-out rows are ignored), `mask` the clients
+  that took part and uploaded finite values. Written from the papers and
+  SPEC §2/§6 with `references.py`; masked-out clients keep their state.
+  """
+  mask = np.asarray(mask)
+  on = np.flatnonzero(mask)
+  m = len(mask)
+  n = np.asarray(num_samples, np.float64)
+  up = _rows(_np(trained), on)
+  if name == "local":
+    return {"personalized": _where(mask, trained, init)}
+  if name in ("fedavg", "fedprox", "fedsa"):
+    if name == "fedsa":
+      mean = ref.fedsa_ref(up, n[on], **FEDSA_KWARGS)
+    else:
+      mean = ref.fedavg_ref(up, n[on])
+    return {"personalized": _broadcast(mean, m), "global": _broadcast(mean, m)}
+  if name == "cwfedavg":
+    out, rest = _split_output(up)
+    dist = np.full((m, K), 1.0 / K)       # the initial p~, kept by absent clients
+    dist[on] = ref.estimate_class_dist_ref(out["kernel"])
+    class_models = ref.class_models_ref(out, dist[on], n[on])
+    personal = ref.personalize_ref(class_models, dist)
+    rest = _broadcast(ref.fedavg_ref(rest, n[on]), m)
+    return {"personalized": _with_output(rest, personal)}
+  if name == "fedclassavg":
+    own = _where(mask, trained, init)
+    head = ref.fedavg_ref(_split_output(up)[0], n[on])
+    return {"personalized": own, "global": _with_output(own, _broadcast(head, m))}
+  if name == "feddwa":
+    exclusive = _np(init)
+    mixed = ref.feddwa_ref(up["w"], _rows(_np(init), on), HP.feddwa_alpha,
+                           HP.feddwa_temperature)
+    exclusive = jax.tree.map(lambda e, x: _set_rows(e, on, x), exclusive, mixed)
+    return {"personalized": _where(mask, trained["v"], init), "exclusive": exclusive}
+  assert name == "fedrema"
+  mixed, *_ = ref.fedrema_ref(up, n[on], _fedrema_soft(up), np.zeros((len(on),) * 2),
+                              0.0, True, HP.fedrema_delta)
+  classifier = jax.tree.map(lambda e, x: _set_rows(e, on, x),
+                            _np(init)["classifier"], mixed["classifier"])
+  # Alg. 2 line 19: every client receives the averaged feature extractor.
+  features = _broadcast(ref.fedavg_ref(up["features"], n[on]), m)
+  return {"personalized": {"features": features, "classifier": classifier}}
+
+
+def _set_rows(x, rows, values):
+  x = np.array(x)
+  x[rows] = values
+  return x
+
+
+def _assert_evaluated(algorithm, state, expected):
+  got = algorithm.evaluate(state)
+  assert set(got) == set(expected)
+  for kind in expected:
+    ref.assert_tree_close(got[kind], expected[kind], rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- local loss
+
+
+def _expected_loss(name, q, client):
+  """Client `client`'s local objective at parameters `q`, from `init(INIT)` (FedDWA:
+  after one full server step, so that its exclusive and personal models differ)."""
+  received = _rows(INIT, 0)    # the global model every client receives at init
+  if name in ("local", "fedavg", "fedsa", "fedrema"):
+    return _ce(q)
+  if name == "fedprox":
+    return _ce(q) + HP.fedprox_mu * ref.proximal_ref(q, received)
+  if name == "cwfedavg":
+    p = np.asarray(FED.counts[client], np.float64)
+    estimate = ref.estimate_class_dist_ref(_np(q)["classifier"]["output"]["kernel"])
+    return _ce(q) + HP.wdr_coef * np.linalg.norm(p / p.sum() - estimate)
+  if name == "fedclassavg":
+    prox = ref.proximal_ref(q["classifier"]["output"], received["classifier"]["output"],
+                            reduce="mean")
+    return _ce(q) + _supcon(q) + HP.fedclassavg_rho * prox
+  assert name == "feddwa"
+  exclusive = _expected("feddwa", INIT, _upload("feddwa", TRAINED), N,
+                        np.ones(M, bool))["exclusive"]
+  anchor = _rows(exclusive, client)   # the exclusive model the client received
+  return (_ce(q["w"]) + _ce(q["v"])
+          + HP.feddwa_lambda * ref.proximal_ref(q["v"], anchor))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_local_loss_value_by_hand(name):
+  """CE (+ FedProx's mu/2 ||w - w_g||^2, cwFedAvg's WDR, FedClassAvg's SupCon and
+  rho/2 sum_tensors mean((C - C_g)^2), FedDWA's pair with lambda/2 ||v - w_g||^2)."""
+  algorithm = _algorithm(name)
+  state = algorithm.init(INIT, FED, KEY)
+  if name == "feddwa":
+    _, state = _server_step(name, _upload(name, TRAINED), np.ones(M, bool))
+  context = algorithm.context(state, FED)
+  point = _random_params(np.random.default_rng(4), M)   # away from every anchor
+  if name == "feddwa":
+    point = {"w": point, "v": _random_params(np.random.default_rng(5), M)}
+  for client in range(M):
+    q = _rows(point, client)
+    if name == "fedclassavg":   # SupCon's representation is taken before the ReLU
+      assert (_np_forward(q, BATCH.x)[0][np.asarray(BATCH.mask)] < 0).any()
+    got = algorithm.loss(q, _rows(context, client) if context is not None else None,
+                         BATCH, jax.random.PRNGKey(client))
+    np.testing.assert_allclose(got, _expected_loss(name, q, client), rtol=2e-5,
+                               atol=1e-5)
+
+
+# -------------------------------------------------------- optimizer lifecycle
+
+
+def _dirty(opt_state):
+  """An optimizer state from earlier rounds: every entry, counts included, moved."""
+  return jax.tree.map(lambda x: x + jnp.ones((), x.dtype), opt_state)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("chosen", [None, [0, 2, 3]], ids=["all", "partial"])
+def test_optimizer_state_is_fresh_each_round_except_fedrema(name, chosen):
+  """FedClassAvg: a new Adam each round (SPEC §6); FedReMa keeps its momentum;
+  the others' SGD (momentum here) starts afresh."""
+  algorithm = _algorithm(name)
+  state = algorithm.init(INIT, FED, KEY)
+  previous = _dirty(algorithms.init_opt_state(algorithm, state))
+  participants = None if chosen is None else jnp.asarray(chosen)
+  inputs = algorithms.client_inputs(algorithm, state, previous, FED, participants, KEY)
+  got = jax.tree.leaves(inputs.opt_state)
+  assert got, "the optimizer must have a state here (momentum or Adam)"
+  if name == "fedrema":
+    kept = previous if chosen is None else _rows(previous, chosen)
+    for a, b in zip(got, jax.tree.leaves(kept)):
+      np.testing.assert_array_equal(a, b)
+  else:
+    for leaf in got:   # fresh momentum / Adam moments and step counts are all zero
+      assert leaf.shape[0] == (M if chosen is None else len(chosen))
+      np.testing.assert_array_equal(leaf, np.zeros_like(leaf))
+
+
+def test_fedrema_stores_participants_momentum_and_keeps_the_others():
+  algorithm = _algorithm("fedrema")
+  state = algorithm.init(INIT, FED, KEY)
+  previous = _dirty(algorithms.init_opt_state(algorithm, state))
+  chosen = jnp.array([0, 2, 3])
+  new_opt = jax.tree.map(lambda x: jnp.full_like(x, 7), _rows(previous, chosen))
+  result = train.ClientResult(_rows(algorithm.start(state), chosen), new_opt,
+                              jnp.ones(3))
+  _, opt_state, losses = algorithms.client_outputs(algorithm, state, previous, chosen,
+                                                   result)
+  for a, b in zip(jax.tree.leaves(opt_state), jax.tree.leaves(previous)):
+    np.testing.assert_array_equal(a[ABSENT], b[ABSENT])
+    np.testing.assert_array_equal(a[np.asarray(chosen)], 7)
+  np.testing.assert_array_equal(losses, [1, 0, 1, 1])
+
+
+def _adam_ref(grads, lr, b1, b2=0.999, eps=1e-8):
+  m = v = 0.0
+  updates = []
+  for t, g in enumerate(grads, 1):
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    updates.append(-lr * (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps))
+  return updates
+
+
+def _momentum_ref(grads, lr, momentum):
+  trace, updates = 0.0, []
+  for g in grads:
+    trace = g + momentum * trace
+    updates.append(-lr * trace)
+  return updates
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_optimizer_two_steps_by_hand(name):
+  """FedClassAvg: Adam(fedclassavg_lr, betas (0.5, 0.999)); the others: the shared
+  SGD base (lr, momentum)."""
+  algorithm = _algorithm(name)
+  grads = [np.array([0.5, -2.0, 1e-3]), np.array([-1.0, 0.25, 3.0])]
+  as_params = lambda x: ({"w": {"a": x}, "v": {"a": x}} if name == "feddwa"
+                         else {"a": x})
+  params = as_params(jnp.zeros(3))
+  opt_state = algorithm.optimizer.init(params)
+  if name == "fedclassavg":
+    expected = _adam_ref(grads, HP.fedclassavg_lr, HP.fedclassavg_adam_b1)
+  else:
+    expected = _momentum_ref(grads, HP.lr, HP.momentum)
+  for g, want in zip(grads, expected):
+    updates, opt_state = algorithm.optimizer.update(
+        as_params(jnp.asarray(g, jnp.float32)), opt_state, params)
+    for leaf in jax.tree.leaves(updates):
+      np.testing.assert_allclose(leaf, want, rtol=1e-5, atol=1e-7)
+
+
+def _scaled_to_norm(tree, norm):
+  total = np.sqrt(sum(np.sum(np.square(x)) for x in jax.tree.leaves(_np(tree))))
+  return jax.tree.map(lambda x: x * (norm / total), tree)
+
+
+def test_feddwa_clips_each_model_of_its_pair_separately():
+  """`--grad-clip c`: `w` and `v` are two models, each clipped to norm c (issue 11)."""
+  hp = dataclasses.replace(HP, grad_clip=1.0, lr=1.0, momentum=0.0)
+  optimizer = _algorithm("feddwa", hp).optimizer
+  model = _rows(INIT, 0)
+  grads = {"w": _scaled_to_norm(_rows(TRAINED, 1), 10.0),
+           "v": _scaled_to_norm(_rows(TRAINED, 2), 0.5)}
+  pair = {"w": model, "v": model}
+  updates, _ = optimizer.update(grads, optimizer.init(pair), pair)
+  expected = {"w": jax.tree.map(lambda g: -g / 10.0, grads["w"]),   # clipped to 1
+              "v": jax.tree.map(lambda g: -g, grads["v"])}          # below the clip
+  ref.assert_tree_close(updates, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_grad_clip_of_a_single_model_uses_its_global_norm():
+  hp = dataclasses.replace(HP, grad_clip=2.0, lr=1.0, momentum=0.0)
+  optimizer = _algorithm("fedrema", hp).optimizer
+  model = _rows(INIT, 0)
+  grads = _scaled_to_norm(_rows(TRAINED, 1), 8.0)
+  updates, _ = optimizer.update(grads, optimizer.init(model), model)
+  ref.assert_tree_close(updates, jax.tree.map(lambda g: -g / 4.0, grads), rtol=1e-5,
+                        atol=1e-6)
+
+
+# -------------------------------------------------------------- server steps
+
+
+def _round_outputs(name):
+  """The sweep's server step of one run (`sweep.round_outputs`), aggregating with
+  the already compiled `_server_update`."""
+  algorithm = _algorithm(name)._replace(server_update=_server_update(name))
+  return functools.partial(sweep_lib.round_outputs, algorithm)
+
+
+def _server_step(name, trained, mask):
+  algorithm = _algorithm(name)
+  state = algorithm.init(INIT, FED, KEY)
+  return algorithm, _server_update(name)(state, trained, jnp.asarray(mask), KEY)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_evaluate_after_a_full_round(name):
+  """What each algorithm evaluates: FedDWA's personalized model is `v` (its exclusive
+  models under their own name), FedClassAvg's is its own features and own classifier
+  (the averaged classifier is `global`), FedAvg-like methods hold one global model."""
+  upload = _upload(name, TRAINED)
+  mask = np.ones(M, bool)
+  algorithm, state = _server_step(name, upload, mask)
+  _assert_evaluated(algorithm, state, _expected(name, INIT, upload, N, mask))
+
+
+def _absent_upload(name, upload):
+  """Client ABSENT did not take part: its entry is the model it would have started
+  from (`client_outputs`)."""
+  algorithm = _algorithm(name)
+  start = algorithm.start(algorithm.init(INIT, FED, KEY))
+  return _choose(np.arange(M) != ABSENT, upload, start)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_server_step_ignores_absent_clients(name):
+  """Participation < 1: the absent client's state is unchanged (FedReMa: it still
+  receives the averaged features) and its model is nobody's peer or summand."""
+  upload = _upload(name, TRAINED)
+  mask = np.arange(M) != ABSENT
+  algorithm, state = _server_step(name, _absent_upload(name, upload), mask)
+  _assert_evaluated(algorithm, state, _expected(name, INIT, upload, N, mask))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_server_step_falls_back_to_the_previous_state_on_non_finite_upload(name):
+  """A client that took part but uploaded NaN is dropped (mask False): its state
+  stays the previous one and nothing stored is non-finite (issue 8)."""
+  upload = _upload(name, TRAINED)
+  mask = np.arange(M) != ABSENT
+  poisoned = jax.tree.map(lambda x: x.at[ABSENT].set(jnp.nan), upload)
+  algorithm = _algorithm(name)
+  state = algorithm.init(INIT, FED, KEY)
+  opt = algorithms.init_opt_state(algorithm, state)
+  # The engines' server step: the unhealthy upload is dropped first.
+  kept, _ = algorithms_lib.drop_unhealthy(algorithm, state, poisoned, opt, opt,
+                                      jnp.asarray(mask))
+  state = _server_update(name)(state, kept, jnp.asarray(mask), KEY)
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(state))
+  _assert_evaluated(algorithm, state, _expected(name, INIT, upload, N, mask))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_round_without_healthy_client_keeps_the_state(name):
+  """Every upload is NaN: the round changes nothing stored (state and optimizer
+  state), although the aggregators return zeros for a global model without weight."""
+  algorithm = _algorithm(name)
+  state = algorithm.init(INIT, FED, KEY)
+  previous = algorithms.init_opt_state(algorithm, state)
+  inputs = sweep_lib.round_inputs(algorithm, 1.0, M, (state, previous), FED, KEY,
+                                  jnp.int32(0))
+  upload = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), _upload(name, TRAINED))
+  new_opt = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), previous)
+  result = train.ClientResult(upload, new_opt, jnp.ones(M))
+  (after, opt_state), metrics = _round_outputs(name)((state, previous), inputs, result)
+  assert not np.asarray(metrics.healthy).any()
+  chex.assert_trees_all_equal(after, state)
+  chex.assert_trees_all_equal(opt_state, previous)
+
+
+def test_fedrema_non_finite_upload_keeps_the_previous_optimizer_state():
+  """FedReMa keeps momentum across rounds: a NaN upload must not store NaN momentum."""
+  algorithm = _algorithm("fedrema")
+  state = algorithm.init(INIT, FED, KEY)
+  previous = _dirty(algorithms.init_opt_state(algorithm, state))
+  inputs = sweep_lib.round_inputs(algorithm, 1.0, M, (state, previous), FED, KEY,
+                                  jnp.int32(0))
+  poison = lambda x: x.at[ABSENT].set(jnp.nan)
+  upload = jax.tree.map(poison, _upload("fedrema", TRAINED))
+  new_opt = jax.tree.map(lambda x: poison(jnp.full_like(x, 7.0)), previous)
+  result = train.ClientResult(upload, new_opt, jnp.ones(M))
+  (state, opt_state), metrics = _round_outputs("fedrema")((state, previous), inputs,
+                                                          result)
+  np.testing.assert_array_equal(metrics.healthy, np.arange(M) != ABSENT)
+  for a, b in zip(jax.tree.leaves(opt_state), jax.tree.leaves(previous)):
+    np.testing.assert_array_equal(a[ABSENT], b[ABSENT])
+    np.testing.assert_array_equal(np.delete(np.asarray(a), ABSENT, axis=0), 7.0)
+
+
+# ------------------------------------------------------------- padded clients
+
+
+def _padded_federation(real):
+  """The first `real` clients of FED, padded like a sharded sweep's (`pad_clients`)."""
+  runs = jax.tree.map(lambda x: x[None, :real], FED)
+  return jax.tree.map(lambda x: x[0], sweep_lib.pad_clients(runs, M))
+
+
+@pytest.mark.parametrize("participation,count", [(1.0, 3), (2 / 3, 2)])
+def test_padded_clients_are_never_chosen(participation, count):
+  fed = _padded_federation(3)
+  np.testing.assert_array_equal(fed.num_samples, [3, 4, 2, 0])
+  algorithm = _algorithm("fedavg")
+  state = algorithm.init(INIT, fed, KEY)
+  carry = (state, algorithms.init_opt_state(algorithm, state))
+  for t in range(8):
+    inputs = sweep_lib.round_inputs(algorithm, participation, 3, carry, fed, KEY,
+                                    jnp.int32(t))
+    took_part = np.asarray(inputs.took_part)
+    assert took_part.sum() == count and not took_part[3]
+    if inputs.chosen is not None:
+      chosen = np.asarray(inputs.chosen)
+      assert len(chosen) == count and chosen.max() < 3
+      np.testing.assert_array_equal(took_part[chosen], True)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_padded_clients_are_neither_aggregated_nor_peers(name):
+  """A sweep round on 3 clients padded to 4: the padded client takes no part and
+  every real client gets what it would without the padding."""
+  fed = _padded_federation(3)
+  algorithm = _algorithm(name)
+  state = algorithm.init(INIT, fed, KEY)
+  carry = (state, algorithms.init_opt_state(algorithm, state))
+  inputs = sweep_lib.round_inputs(algorithm, 1.0, 3, carry, fed, KEY, jnp.int32(0))
+  assert inputs.chosen is None
+  real = np.arange(M) < 3
+  upload = _upload(name, TRAINED)
+  # The padded client trains on no sample: its entry is its start model.
+  trained = _choose(real, upload, algorithm.start(state))
+  result = train.ClientResult(trained, inputs.clients.opt_state, jnp.ones(M))
+  (state, _), metrics = _round_outputs(name)(carry, inputs, result)
+  np.testing.assert_array_equal(metrics.took_part, real)
+  np.testing.assert_array_equal(metrics.healthy, real)
+  _assert_evaluated(algorithm, state,
+                    _expected(name, INIT, upload, fed.num_samples, real))
