@@ -113,7 +113,8 @@ def stacked(draw: Callable, m: int, layout: dict, dtype: str = "float32", *,
   """
   r, index = client_rows(draw, m) if rows is None else rows
   if dyadic:
-    exps = DYADIC_EXPONENTS[dtype] + (EXTREME_DYADIC_EXPONENTS[dtype] if extreme else ())
+    exps = DYADIC_EXPONENTS[dtype]
+    exps += EXTREME_DYADIC_EXPONENTS[dtype] if extreme else ()
     scale = 2.0 ** draw(st.sampled_from(exps)) / 8
     elements = st.integers(-8, 8).map(float)
   else:
