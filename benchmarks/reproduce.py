@@ -22,6 +22,7 @@ to float rounding), and writes to `--out` (default `benchmarks/results/`):
 
 import argparse
 import dataclasses
+import inspect
 import json
 import os
 import platform
@@ -33,8 +34,9 @@ import jax
 import numpy as np
 
 import pflax
+from pflax import algorithms
 from pflax import simulate
-from pflax._src.simulate import FINAL_WINDOW
+from pflax._src.records import FINAL_WINDOW
 
 ALGORITHMS = ("local", "fedavg", "fedprox", "cwfedavg", "fedclassavg", "fedsa",
               "feddwa", "fedrema")
@@ -67,44 +69,54 @@ def _mean_std(values: list[float]) -> str:
 
 
 def _run_partition(partition: str, config: simulate.ExperimentConfig,
-                   algorithms: list[str], seeds: list[int]) -> dict[str, Any]:
-  """Every algorithm on one partition, its seeds as one sweep, as `results.json`."""
+                   names: list[str], seeds: list[int]) -> tuple[simulate.Results, float]:
+  """Every algorithm on one partition, its seeds as one sweep: results and seconds."""
   started = time.perf_counter()
   setups = {seed: simulate.prepare(config, seed) for seed in seeds}
   runs = []
-  for name in algorithms:
+  for name in names:
     for run in simulate.sweep(name, config, seeds, setups=setups):
-      run.pop("output_norms")
-      runs.append(run)
-      acc = run["personalized_accuracy"]
-      print(f"{partition:12s} {name:12s} seed {run['seed']}: personalized best "
-            f"{acc['best']:.4f} final {acc['final']:.4f} ({run['seconds']:.1f} s "
+      runs.append(dataclasses.replace(run, output_norms=np.zeros((0,))))
+      acc = run.summary()
+      print(f"{partition:12s} {name:12s} seed {run.seed}: personalized best "
+            f"{acc.best:.4f} final {acc.final:.4f} ({run.seconds:.1f} s "
             "for the sweep)", flush=True)
   record = dataclasses.asdict(config)
-  record.update(algorithms=list(algorithms), seeds=list(seeds))
-  return {"config": record,
-          "class_counts": np.asarray(setups[seeds[0]].federation.counts).tolist(),
-          "runs": runs, "seconds": time.perf_counter() - started}
+  record.update(algorithms=list(names), seeds=list(seeds))
+  results = simulate.Results(record, setups[seeds[0]].federation.counts, tuple(runs))
+  return results, time.perf_counter() - started
 
 
-def _rows(results: dict[str, Any]) -> list[str]:
+def _rows(results: simulate.Results) -> list[str]:
   lines = []
-  for name in dict.fromkeys(r["algorithm"] for r in results["runs"]):
-    runs = [r for r in results["runs"] if r["algorithm"] == name]
-    cells = [_mean_std([r["personalized_accuracy"][k] for r in runs])
-             for k in ("best", "final")]
+  for name in dict.fromkeys(r.label for r in results.runs):
+    runs = [r for r in results.runs if r.label == name]
+    cells = [_mean_std([getattr(r.summary(), k) for r in runs]) for k in ("best", "final")]
     for kind, keys in (("global", ("best", "final")), ("exclusive", ("final",))):
-      summary = runs[0].get(f"{kind}_accuracy")
-      cells += [_mean_std([r[f"{kind}_accuracy"][k] for r in runs]) if summary else "—"
-                for k in keys]
+      cells += [_mean_std([getattr(r.summary(kind), k) for r in runs])
+                if runs[0].summary(kind) else "—" for k in keys]
     lines.append(f"| {name} | " + " | ".join(cells) + " |")
   return lines
 
 
-def markdown(all_results: dict[str, dict[str, Any]]) -> str:
+def _method_hyperparameters(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
+  """Each builder's keyword defaults, overridden by the configuration's."""
+  out = {}
+  for name, builder in algorithms.BUILDERS.items():
+    params = inspect.signature(builder).parameters.values()
+    out[name] = {p.name: p.default for p in params if p.kind == p.KEYWORD_ONLY}
+    out[name].update(config.get("hyperparameters", {}).get(name, {}))
+  return out
+
+
+def markdown(all_results: dict[str, simulate.Results], seconds: float) -> str:
   """The reproduction tables with a header describing the configuration."""
-  first = next(iter(all_results.values()))
-  c, hp = first["config"], first["config"]["hp"]
+  c = next(iter(all_results.values())).config
+  hp = c.get("hp", c)   # files written before issue 12 nest the training base
+  own = {**c.get("optimizers", {}).get("fedclassavg", {})}
+  own.setdefault("lr", hp.get("fedclassavg_lr"))
+  own.setdefault("adam_b1", hp.get("fedclassavg_adam_b1"))
+  m = _method_hyperparameters(c)
   seeds = " ".join(map(str, c["seeds"]))
   lines = [
       "# Reproduction on digits",
@@ -117,15 +129,16 @@ def markdown(all_results: dict[str, dict[str, Any]]) -> str:
       f"per client, {c['rounds']} rounds, the MLP model (`--model auto`), "
       f"{hp['optimizer'].upper()} lr {hp['lr']}, batch {hp['batch_size']}, "
       f"{hp['local_epochs']} local epochs for every algorithm except FedClassAvg "
-      f"(Adam lr {hp['fedclassavg_lr']}, betas ({hp['fedclassavg_adam_b1']}, 0.999), "
-      f"plus {hp['fedclassavg_warmup_epochs']} warm-up epoch). Method hyperparameters: "
-      f"FedProx mu {hp['fedprox_mu']}; cwFedAvg on the output layer, WDR coefficient "
-      f"{hp['wdr_coef']} (the paper's lambda {2 * hp['wdr_coef']:g}); FedClassAvg "
-      f"rho {hp['fedclassavg_rho']}, SupCon temperature {hp['supcon_temperature']:g}; "
-      f"FedSA tau {hp['fedsa_cv_threshold']}, {hp['fedsa_num_mic']} MIC bins, "
-      f"{hp['fedsa_num_mac']} MAC clusters; FedDWA alpha {hp['feddwa_alpha']}, "
-      f"lambda {hp['feddwa_lambda']}; FedReMa delta {hp['fedrema_delta']} "
-      "(the defaults of `pflax.algorithms.Hyperparameters`, the same as `pflax-run`).",
+      f"(Adam lr {own['lr']}, betas ({own['adam_b1']}, 0.999), "
+      f"plus {m['fedclassavg']['warmup_epochs']} warm-up epoch). Method "
+      f"hyperparameters: FedProx mu {m['fedprox']['mu']}; cwFedAvg on the output layer, "
+      f"WDR coefficient {m['cwfedavg']['wdr_coef']} (the paper's lambda "
+      f"{2 * m['cwfedavg']['wdr_coef']:g}); FedClassAvg rho {m['fedclassavg']['rho']}, "
+      f"SupCon temperature {m['fedclassavg']['supcon_temperature']:g}; FedSA tau "
+      f"{m['fedsa']['cv_threshold']}, {m['fedsa']['num_mic']} MIC bins, "
+      f"{m['fedsa']['num_mac']} MAC clusters; FedDWA alpha {m['feddwa']['alpha']}, "
+      f"lambda {m['feddwa']['lam']}; FedReMa delta {m['fedrema']['delta']} "
+      "(the builders' defaults, the same as `pflax-run`).",
       "",
       "Accuracies in percent, mean ± std over the seeds (population std). "
       "Personalized: sample-weighted accuracy of each client's own model on its own "
@@ -142,14 +155,13 @@ def markdown(all_results: dict[str, dict[str, Any]]) -> str:
               "| global final | exclusive final |",
               "|---|---:|---:|---:|---:|---:|"]
     lines += _rows(results)
-  elapsed = sum(r["seconds"] for r in all_results.values())
-  lines += ["", f"Ran in {elapsed / 60:.1f} min on {platform.machine()} "
+  lines += ["", f"Ran in {seconds / 60:.1f} min on {platform.machine()} "
             f"({os.cpu_count()} cores), jax {jax.__version__}, pflax "
             f"{pflax.__version__}.", ""]
   return "\n".join(lines)
 
 
-def plot(all_results: dict[str, dict[str, Any]], path: str) -> None:
+def plot(all_results: dict[str, simulate.Results], path: str) -> None:
   """Mean personalized accuracy per round and algorithm, ± one std band."""
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
@@ -157,10 +169,10 @@ def plot(all_results: dict[str, dict[str, Any]], path: str) -> None:
   fig, axes = plt.subplots(1, len(all_results), figsize=(6 * len(all_results), 4.2),
                            squeeze=False, sharey=True)
   for ax, (partition, results) in zip(axes.flat, all_results.items()):
-    for name in dict.fromkeys(r["algorithm"] for r in results["runs"]):
-      curves = np.array([[h["personalized_accuracy"] for h in r["history"]]
-                         for r in results["runs"] if r["algorithm"] == name])
-      rounds = [h["round"] for h in results["runs"][0]["history"]]
+    for name in dict.fromkeys(r.label for r in results.runs):
+      runs = [r for r in results.runs if r.label == name]
+      rounds = runs[0].curve()[0]
+      curves = np.array([r.curve()[1] for r in runs])
       mean, std = 100 * curves.mean(0), 100 * curves.std(0)
       ax.plot(rounds, mean, label=name)
       ax.fill_between(rounds, mean - std, mean + std, alpha=0.15)
@@ -178,25 +190,27 @@ def main(argv: list[str] | None = None) -> int:
   args = _parser().parse_args(argv)
   rounds = args.rounds or (2 if args.quick else 40)
   seeds = args.seeds or ([0] if args.quick else [0, 1, 2])
-  # As `pflax-run`: the classic threefry compiles model inits in under a second.
-  jax.config.update("jax_threefry_partitionable", False)
   out = args.out or (os.path.join("runs", "reproduce-quick") if args.quick
                      else os.path.join(HERE, "results"))
   os.makedirs(out, exist_ok=True)
-  all_results = {}
+  all_results, seconds = {}, 0.0
   for partition in args.partitions:
     path = os.path.join(out, f"reproduction-{partition}.json")
     if args.replot:
       with open(path) as f:
-        all_results[partition] = json.load(f)
+        saved = json.load(f)
+      all_results[partition] = simulate.Results.from_json(saved)
+      seconds += saved.get("seconds", 0.0)
       continue
     config = simulate.ExperimentConfig(partition=partition, clients=20,
                                        classes_per_client=2, dirichlet_alpha=0.1,
                                        rounds=rounds)
-    all_results[partition] = _run_partition(partition, config, args.algorithms, seeds)
+    all_results[partition], spent = _run_partition(partition, config, args.algorithms,
+                                                   seeds)
+    seconds += spent
     with open(path, "w") as f:
-      json.dump(all_results[partition], f, indent=1)
-  text = markdown(all_results)
+      json.dump({**all_results[partition].to_json(), "seconds": spent}, f, indent=1)
+  text = markdown(all_results, seconds)
   with open(os.path.join(out, "reproduction.md"), "w") as f:
     f.write(text)
   plot(all_results, os.path.join(out, "reproduction.png"))

@@ -38,8 +38,6 @@ MODES = ("sequential", "sweep", "sweep vmap")
 
 def worker(algorithm: str, mode: str, seeds: list[int], rounds: int,
            clients: int) -> dict[str, float]:
-  import jax  # pylint: disable=import-outside-toplevel
-  jax.config.update("jax_threefry_partitionable", False)
   from pflax import simulate  # pylint: disable=import-outside-toplevel
   config = simulate.ExperimentConfig(rounds=rounds, clients=clients)
   setups = {s: simulate.prepare(config, s) for s in seeds}
@@ -50,17 +48,17 @@ def worker(algorithm: str, mode: str, seeds: list[int], rounds: int,
     runs = []
     for s in seeds:
       runs.append(simulate.run(algorithm, config, s, setup=setups[s], on_round=tick))
-    loop = sum(r["seconds"] for r in runs)
+    loop = sum(r.seconds for r in runs)
     per_round = [sum(ends[r + k * rounds] - ends[r + k * rounds - 1]
                      for k in range(len(seeds))) for r in range(1, rounds)]
   else:
     if mode == "sweep vmap":
       config = dataclasses.replace(config, strategy="vmap")
     runs = simulate.sweep(algorithm, config, seeds, setups=setups, on_round=tick)
-    loop = runs[0]["seconds"]
+    loop = runs[0].seconds
     per_round = [b - a for a, b in zip(ends, ends[1:])]
   total = time.perf_counter() - start
-  accuracy = statistics.mean(r["personalized_accuracy"]["final"] for r in runs)
+  accuracy = statistics.mean(r.summary().final for r in runs)
   return {"total": total, "loop": loop, "round": statistics.median(per_round),
           "accuracy": accuracy}
 

@@ -1,43 +1,62 @@
-"""The eight federated algorithms as `(init, client_update, server_update)` bundles."""
+"""Federated algorithms as builders of `Algorithm`s: the eight of `pflax-run`, and the
+pieces to write your own (see notebooks/custom_algorithm.ipynb)."""
 
-from pflax._src.algorithms import NAMES
-from pflax._src.algorithms import Algorithm
-from pflax._src.algorithms import Federation
-from pflax._src.algorithms import Hyperparameters
-from pflax._src.algorithms import augment
-from pflax._src.algorithms import client_inputs
-from pflax._src.algorithms import client_outputs
-from pflax._src.algorithms import client_update
-from pflax._src.algorithms import cwfedavg
-from pflax._src.algorithms import fedavg
-from pflax._src.algorithms import fedclassavg
-from pflax._src.algorithms import fedclassavg_joint_update
-from pflax._src.algorithms import feddwa
-from pflax._src.algorithms import fedprox
-from pflax._src.algorithms import fedrema
-from pflax._src.algorithms import fedsa
-from pflax._src.algorithms import get_algorithm
-from pflax._src.algorithms import init_opt_state
-from pflax._src.algorithms import local
+from pflax._src.algorithm import Algorithm
+from pflax._src.algorithm import EVALUATED
+from pflax._src.algorithm import Warmup
+from pflax._src.algorithm import check_range
+from pflax._src.algorithm import cross_entropy_loss
+from pflax._src.algorithm import logits
+from pflax._src.algorithm import no_context
+from pflax._src.algorithm import per_model
+from pflax._src.builders import BUILDERS
+from pflax._src.builders import CLASSIFIER
+from pflax._src.builders import ClassModels
+from pflax._src.builders import ClientModels
+from pflax._src.builders import ExclusiveModels
+from pflax._src.builders import GlobalModel
+from pflax._src.builders import MatchedClassifiers
+from pflax._src.builders import OUTPUT_LAYER
+from pflax._src.builders import SharedHead
+from pflax._src.builders import class_wise_averaging
+from pflax._src.builders import classifier_averaging
+from pflax._src.builders import dynamic_weight_averaging
+from pflax._src.builders import federated_averaging
+from pflax._src.builders import federated_proximal
+from pflax._src.builders import local_training
+from pflax._src.builders import parameter_skew_averaging
+from pflax._src.builders import relevant_client_matching
+from pflax._src.groups import Heterogeneous
+from pflax._src.groups import HeterogeneousState
+from pflax._src.groups import heterogeneous
 
 __all__ = (
-    "NAMES",
     "Algorithm",
-    "Federation",
-    "Hyperparameters",
-    "augment",
-    "client_inputs",
-    "client_outputs",
-    "client_update",
-    "cwfedavg",
-    "fedavg",
-    "fedclassavg",
-    "fedclassavg_joint_update",
-    "feddwa",
-    "fedprox",
-    "fedrema",
-    "fedsa",
-    "get_algorithm",
-    "init_opt_state",
-    "local",
+    "BUILDERS",
+    "CLASSIFIER",
+    "ClassModels",
+    "ClientModels",
+    "EVALUATED",
+    "ExclusiveModels",
+    "GlobalModel",
+    "Heterogeneous",
+    "HeterogeneousState",
+    "MatchedClassifiers",
+    "OUTPUT_LAYER",
+    "SharedHead",
+    "Warmup",
+    "check_range",
+    "class_wise_averaging",
+    "classifier_averaging",
+    "cross_entropy_loss",
+    "dynamic_weight_averaging",
+    "federated_averaging",
+    "federated_proximal",
+    "heterogeneous",
+    "local_training",
+    "logits",
+    "no_context",
+    "parameter_skew_averaging",
+    "per_model",
+    "relevant_client_matching",
 )

@@ -1,5 +1,6 @@
-"""Datasets, federated partitions and stacked client data (NumPy, host side)."""
+"""Datasets, federated partitions, stacked client data (NumPy, host side), augmentation."""
 
+from pflax._src.data.augment import translate
 from pflax._src.data.clients import ClientData
 from pflax._src.data.clients import stack_clients
 from pflax._src.data.datasets import Dataset
@@ -7,6 +8,9 @@ from pflax._src.data.datasets import load
 from pflax._src.data.datasets import load_digits
 from pflax._src.data.datasets import load_tfds
 from pflax._src.data.dirichlet import dirichlet
+from pflax._src.data.federation import Federation
+from pflax._src.data.federation import federate
+from pflax._src.data.federation import stack_federations
 from pflax._src.data.groups import groups
 from pflax._src.data.partition import Partition
 from pflax._src.data.partition import class_counts
@@ -16,14 +20,18 @@ from pflax._src.data.split import train_test_split
 __all__ = (
     "ClientData",
     "Dataset",
+    "Federation",
     "Partition",
     "class_counts",
     "dirichlet",
+    "federate",
     "groups",
     "load",
     "load_digits",
     "load_tfds",
     "pathological",
     "stack_clients",
+    "stack_federations",
     "train_test_split",
+    "translate",
 )

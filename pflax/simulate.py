@@ -1,27 +1,37 @@
-"""Federated simulation: prepare a federation, run rounds, evaluate, sweep."""
+"""Federated simulation: configure an experiment, run it, sweep it, read its records."""
 
+from pflax._src.engine import output_norms
+from pflax._src.engine import participants
+from pflax._src.records import Accuracy
+from pflax._src.records import Results
+from pflax._src.records import RoundRecord
+from pflax._src.records import RunRecord
+from pflax._src.records import Summary
+from pflax._src.sharding import client_shardings
 from pflax._src.simulate import ExperimentConfig
 from pflax._src.simulate import Setup
-from pflax._src.simulate import output_norms
-from pflax._src.simulate import participants
+from pflax._src.simulate import client_optimizer
 from pflax._src.simulate import prepare
+from pflax._src.simulate import resolve_builder
 from pflax._src.simulate import run
-from pflax._src.sweep import SWEEPABLE
-from pflax._src.sweep import client_shardings
-from pflax._src.sweep import pad_clients
-from pflax._src.sweep import stack_federations
-from pflax._src.sweep import sweep
+from pflax._src.simulate import sweep
+from pflax._src.simulate import sweepable
 
 __all__ = (
+    "Accuracy",
     "ExperimentConfig",
+    "Results",
+    "RoundRecord",
+    "RunRecord",
     "Setup",
+    "Summary",
+    "client_optimizer",
     "client_shardings",
     "output_norms",
-    "pad_clients",
     "participants",
     "prepare",
+    "resolve_builder",
     "run",
-    "stack_federations",
     "sweep",
-    "SWEEPABLE",
+    "sweepable",
 )

@@ -8,10 +8,12 @@ from pflax._src.tree import finite_clients
 from pflax._src.tree import mix
 from pflax._src.tree import num_clients
 from pflax._src.tree import partition
+from pflax._src.tree import selected
 from pflax._src.tree import stack
 from pflax._src.tree import under
 from pflax._src.tree import unstack
 from pflax._src.tree import weighted_mean
+from pflax._src.tree import with_selected
 
 __all__ = (
     "broadcast",
@@ -22,8 +24,10 @@ __all__ = (
     "mix",
     "num_clients",
     "partition",
+    "selected",
     "stack",
     "under",
     "unstack",
     "weighted_mean",
+    "with_selected",
 )

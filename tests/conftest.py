@@ -1,11 +1,5 @@
 """Test configuration shared by the whole suite."""
 
-import jax
-
-# Compiling partitionable threefry sampling of multi-dimensional shapes takes
-# ~10 s per shape on XLA-CPU (jax 0.10); the classic scheme compiles in <1 s.
-jax.config.update("jax_threefry_partitionable", False)
-
 # Hypothesis profiles (tests/test_properties.py). The default run is bounded and
 # deterministic (the same examples every run, so it cannot flake); CI's slow
 # pass sets HYPOTHESIS_PROFILE=ci for a five times larger search (also

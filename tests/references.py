@@ -2,7 +2,7 @@
 
 Everything here loops over clients and classes in float64 and never calls pflax,
 so a test comparing pflax to these functions can fail independently of pflax's
-own choices. Settled points follow /work/shared/SPEC.md (cited per function).
+own choices. Settled points follow docs/methods.md (cited per function).
 """
 
 from fractions import Fraction
@@ -91,7 +91,7 @@ def fedclassavg_ref(params, num_samples=None):
 
 
 def cw_statistics(class_dist, num_samples=None):
-  """`(p_i, p_ij, q_ij)` of cwFedAvg Eq. (5)-(6) with SPEC 2.2's settled cases."""
+  """`(p_i, p_ij, q_ij)` of cwFedAvg Eq. (5)-(6) with the settled cases of docs/methods.md#cwfedavg."""
   c = np.asarray(class_dist, np.float64)
   m, k = c.shape
   if num_samples is None:
@@ -173,7 +173,7 @@ def cosine_matrix(vectors: np.ndarray) -> np.ndarray:
 
 
 def feddwa_weights_ref(params, received, alpha=0.2, temperature=1.0):
-  """FedDWA Eq. (3)-(6) as settled in SPEC 2.4 (softmax over k != i, self alpha).
+  """FedDWA Eq. (3)-(6) as settled in docs/methods.md#feddwa (softmax over k != i, self alpha).
 
   Each peer softmax is shifted by its largest `s_ik / T` (k != i) before `exp`,
   which leaves it unchanged mathematically and keeps T -> 0 finite in float64.
@@ -223,7 +223,7 @@ MDS_TIE = 2.0 ** -17   # pflax.fedrema: similarities this close count as equal
 
 
 def mds_ref(s_row):
-  """SPEC 2.5's settled MDS: ascending sort, drop the top gap, cut at the first
+  """The settled MDS of docs/methods.md#fedrema: ascending sort, drop the top gap, cut at the first
   largest remaining gap, select every client above the cut.
 
   With `fedrema.mds`'s documented rule against rounding: gaps up to `MDS_TIE`
@@ -243,7 +243,7 @@ def mds_ref(s_row):
 
 
 def fedrema_ref(params, num_samples, soft, dependency, max_gap, in_ccp, delta=0.5):
-  """One FedReMa server round (Eq. 6-10, Algorithms 1-2), SPEC 2.5.
+  """One FedReMa server round (Eq. 6-10, Algorithms 1-2), docs/methods.md#fedrema.
 
   Returns `(params, dependency, max_gap, in_ccp)`.
   """
@@ -289,7 +289,7 @@ def _mean(values) -> Fraction:
 
 
 def fedsa_clusters(sim, num_mac: int, sim_threshold: float) -> list[list[int]]:
-  """SPEC 2.6 step 5 with exact rational similarities.
+  """FedSA step 5 (docs/methods.md#fedsa) with exact rational similarities.
 
   Pairs are ranked by similarity, then lowest `(a, b)`; joins by similarity, then
   lowest `(cluster, client)`. `sim_threshold` is read as the decimal it prints as
@@ -329,7 +329,7 @@ def fedsa_clusters(sim, num_mac: int, sim_threshold: float) -> list[list[int]]:
 
 def fedsa_leaf_ref(w, num_samples=None, cv_threshold=0.2, num_mic=4, num_mac=4,
                    sim_threshold=0.2, ddof=1):
-  """SPEC 2.6 steps 1-7 on one leaf, `w` of shape `(M, ...)`."""
+  """FedSA steps 1-7 (docs/methods.md#fedsa) on one leaf, `w` of shape `(M, ...)`."""
   shape = np.shape(w)[1:]
   w = np.asarray(w, np.float64).reshape(np.shape(w)[0], -1)
   m, size = w.shape
@@ -452,7 +452,7 @@ def proximal_ref(params, anchor, reduce="sum"):
 
 
 def mix_ref(weights, stacked):
-  """`out[o] = sum_m weights[o, m] stacked[m]` by an explicit loop (SPEC 1)."""
+  """`out[o] = sum_m weights[o, m] stacked[m]` by an explicit loop (docs/methods.md, common rules)."""
   w = np.asarray(weights, np.float64)
   return map_leaves(lambda x: np.stack([weighted_sum(w[o], x) for o in range(len(w))]),
                     stacked)
@@ -502,7 +502,7 @@ def _mds_sorted(values):
 
 
 def mds_value_ref(s_row, valid=None):
-  """SPEC 2.5's MDS among `valid` clients, ties resolved by value (`mds` Notes).
+  """The MDS of docs/methods.md#fedrema among `valid` clients, ties resolved by value (`mds` Notes).
 
   Sort ascending, drop the top gap, cut at the first largest remaining gap and
   select every valid client whose similarity is at least the value just above
@@ -519,7 +519,7 @@ def mds_value_ref(s_row, valid=None):
 
 def fedrema_masked_ref(params, num_samples, soft, dependency, max_gap, in_ccp,
                        delta=0.5, mask=None, selected=None):
-  """One FedReMa server round with a client mask (SPEC 2.5, issue 11 item 9).
+  """One FedReMa server round with a client mask (docs/methods.md#fedrema, issue 11 item 9).
 
   Leaves not `selected` (the feature extractor): FedAvg with `n_i` over the
   valid clients, given to every client, masked ones included. Classifier
@@ -610,7 +610,7 @@ def fedrema_margin(soft, mask, max_gap, in_ccp, delta=0.5) -> float:
 
 def fedsa_cv_margin(w, cv_threshold=0.2, ddof=1) -> float:
   """Smallest relative distance of a position's coefficient of variation from
-  the threshold (SPEC 2.6 step 1), computed in float64 on one leaf `(M, ...)`."""
+  the threshold (docs/methods.md#fedsa, step 1), computed in float64 on one leaf `(M, ...)`."""
   w = np.asarray(w, np.float64).reshape(np.shape(w)[0], -1)
   m = w.shape[0]
   if m - ddof <= 0:

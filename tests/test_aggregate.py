@@ -321,7 +321,7 @@ def test_estimate_class_dist_any_magnitude(scale):
 
 
 def test_float64_parameters_get_float64_weights():
-  # SPEC section 1: weights in the wider dtype. Float32 weights (1/3 rounded)
+  # docs/methods.md, common rules: weights in the wider dtype. Float32 weights (1/3 rounded)
   # give a relative error of ~3e-8; float64 ones agree to ~1e-15.
   with jax.enable_x64(True):
     rng = np.random.default_rng(10)

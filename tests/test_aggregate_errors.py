@@ -1,4 +1,4 @@
-"""Every bad input listed in SPEC section 4 raises an error naming the argument."""
+"""Every bad input listed in docs/methods.md#errors raises an error naming the argument."""
 
 import jax
 import numpy as np

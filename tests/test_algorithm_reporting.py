@@ -5,14 +5,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import optax
+
+from pflax import algorithms
 from pflax import models
-from pflax._src import algorithms as algos
+from pflax import simulate
 from pflax._src import cli
+from pflax._src import engine
 from pflax._src import losses
-from pflax._src import simulate
+from pflax._src import prng
+from pflax._src import records
 from pflax._src import train
 
-HP = algos.Hyperparameters()
+SGD = optax.sgd(0.1)
 
 
 def _numpy_params(model, input_shape, seed=0):
@@ -30,10 +35,11 @@ def test_fedclassavg_personalized_model_is_own_features_with_own_classifier():
                           "bias": jnp.zeros((2, 2))}
   params = {"features": {"dense_0": dense(eye)},
             "classifier": {"hidden_0": dense(eye), "output": dense(eye)}}
-  state = {"params": params, "n": jnp.ones(2),
-           "head": {"kernel": jnp.asarray(swap), "bias": jnp.zeros(2)}}
+  state = algorithms.SharedHead(
+      params, {"classifier": {"output": {"kernel": jnp.asarray(swap),
+                                         "bias": jnp.zeros(2)}}}, jnp.ones(2))
   model = models.MLP(2, hidden=(2, 2))
-  held = algos.fedclassavg(model, HP).evaluate(state)
+  held = algorithms.classifier_averaging(model, SGD).evaluate(state)
   assert set(held) == {"personalized", "global"}
   x, y = jnp.asarray([[1.0, 0.0], [0.0, 2.0], [3.0, 1.0]]), jnp.asarray([0, 1, 0])
   apply = lambda p, x: model.apply({"params": p}, x)
@@ -55,8 +61,8 @@ def test_fedclassavg_supcon_receives_the_pre_relu_representation(monkeypatch):
   spy = lambda f, *args, **kwargs: seen.append(f) or supcon(f, *args, **kwargs)
   monkeypatch.setattr(losses, "supcon", spy)
   batch = train.Batch(jnp.asarray(x), jnp.asarray([0, 1, 1, 2]), jnp.ones(4, bool))
-  algos.fedclassavg(model, HP).loss(params, params["classifier"]["output"], batch,
-                                    jax.random.PRNGKey(0))
+  head = {"classifier": {"output": params["classifier"]["output"]}}
+  algorithms.classifier_averaging(model, SGD).loss(params, head, batch, prng.key(0))
   f, c = params["features"]["dense_0"], params["classifier"]["hidden_0"]
   h = np.maximum(x.reshape(4, -1) @ f["kernel"] + f["bias"], 0.0)
   z = h @ c["kernel"] + c["bias"]
@@ -67,39 +73,46 @@ def test_fedclassavg_supcon_receives_the_pre_relu_representation(monkeypatch):
 @pytest.mark.parametrize("participation,expected", [(0.1, 2), (0.25, 5), (1.0, 20)])
 def test_heterogeneous_participants_are_drawn_over_all_clients(participation, expected):
   # Item 10: round(p M) clients of all M, not max(1, round(p M_g)) per group
-  # (p = 0.1 of four groups of 5 drew 4 clients).
-  groups = [np.arange(g, 20, 4) for g in range(4)]
+  # (p = 0.1 of four groups of 5 drew 4 clients). Each group trains a static
+  # number of its clients, its participants first; the others are dropped.
+  clients = tuple(np.arange(g, 20, 4) for g in range(4))
+  count = engine.num_participants(participation, 20)
   for seed in range(4):
-    key = jax.random.PRNGKey(seed)
-    split = simulate.group_participants(key, groups, participation)
-    chosen = np.sort(np.concatenate([g[c] for g, c in zip(groups, split)]))
+    chosen = engine.participants(prng.key(seed), 20, participation)
     assert len(chosen) == expected
-    np.testing.assert_array_equal(chosen, simulate.participants(key, 20, participation))
+    took_part = jnp.zeros(20, bool).at[chosen].set(True)
+    trained = set()
+    for index in clients:
+      picked = engine._group_chosen(took_part, index, count, count == 20)
+      positions = np.arange(len(index)) if picked is None else np.asarray(picked)
+      assert len(positions) == min(count, len(index))
+      trained |= {int(index[p]) for p in positions if took_part[index[p]]}
+    assert trained == set(np.asarray(chosen).tolist())
 
 
 def test_accuracies_weighted_and_unweighted_over_clients():
   # Item 13: by hand; the client without test samples has no accuracy.
-  out = simulate.accuracies("personalized", np.array([3, 1, 0]), np.array([4, 2, 0]))
-  assert out == pytest.approx({"personalized_accuracy": 4 / 6,
-                               "personalized_client_mean": 0.625,
-                               "personalized_client_std": 0.125})
+  out = records.Accuracy.of(np.array([3, 1, 0]), np.array([4, 2, 0]))
+  assert (out.accuracy, out.client_mean, out.client_std) == pytest.approx(
+      (4 / 6, 0.625, 0.125))
 
 
 def test_feddwa_reports_exclusive_models_never_as_global():
   # Item 16.
-  state = {"exclusive": {"w": jnp.zeros((2, 1))}, "personal": {"w": jnp.ones((2, 1))}}
-  held = algos.feddwa(models.MLP(2), HP).evaluate(state)
+  state = algorithms.ExclusiveModels({"w": jnp.zeros((2, 1))}, {"w": jnp.ones((2, 1))})
+  held = algorithms.dynamic_weight_averaging(models.MLP(2), SGD).evaluate(state)
   assert set(held) == {"personalized", "exclusive"}
   np.testing.assert_array_equal(held["personalized"]["w"], 1.0)
 
 
 def _run(name, weighted, mean, std, global_=None, exclusive=None):
-  summary = lambda a: {"best": a, "final": a, "client_mean": a, "client_std": 0.0}
-  return {"algorithm": name, "seed": 0,
-          "personalized_accuracy": {"best": weighted, "final": weighted,
-                                    "client_mean": mean, "client_std": std},
-          "global_accuracy": global_ and summary(global_),
-          "exclusive_accuracy": exclusive and summary(exclusive)}
+  accuracies = {"personalized": records.Accuracy(weighted, mean, std)}
+  if global_:
+    accuracies["global"] = records.Accuracy(global_, global_, 0.0)
+  if exclusive:
+    accuracies["exclusive"] = records.Accuracy(exclusive, exclusive, 0.0)
+  history = (records.RoundRecord(1, 0.0, accuracies=accuracies),)
+  return simulate.RunRecord(name, 0, history, 0.0, np.zeros((1, 1)))
 
 
 def test_table_shows_exclusive_and_per_client_columns():

@@ -10,7 +10,6 @@ constant images make FedClassAvg's random translations the identity, so its
 two views equal the input and its loss has a closed form.
 """
 
-import dataclasses
 import functools
 
 import chex
@@ -20,29 +19,36 @@ import numpy as np
 import pytest
 
 from pflax import algorithms
+from pflax import data
 from pflax import models
+from pflax import simulate
 from pflax import train
-from pflax._src import algorithms as algorithms_lib
-from pflax._src import sweep as sweep_lib
+from pflax._src import engine
+from pflax._src import groups as groups_lib
+from pflax._src import prng
+from pflax._src.data import federation as federation_lib
 
 import references as ref
 
 M, K, L = 4, 3, 4
 IMAGE = (4, 4, 1)
 MODEL = models.MLP(K, hidden=(4, 3))
-NAMES = algorithms.NAMES
+NAMES = tuple(algorithms.BUILDERS)
 N = np.array([3, 4, 2, 4])          # training samples per client
 ABSENT = 1                          # the client left out of the partial rounds
 # Every method hyperparameter away from its default, so a wrongly wired one shows.
-HP = algorithms.Hyperparameters(
-    lr=0.05, momentum=0.9, fedprox_mu=0.3, wdr_coef=2.0, fedclassavg_rho=0.8,
-    fedclassavg_lr=0.01, supcon_temperature=2.0, supcon_base_temperature=0.5,
-    fedsa_cv_threshold=0.5, fedsa_sim_threshold=0.3, fedsa_num_mic=3,
-    fedsa_num_mac=1, feddwa_alpha=0.3, feddwa_lambda=0.7, feddwa_temperature=0.5,
-    fedrema_temperature=0.7)
-# One MAC cluster: the clients left out join it above sim_threshold (SPEC §2.6).
+LR, MOMENTUM = 0.05, 0.9                      # the shared SGD base
+ADAM_LR, ADAM_B1 = 0.01, 0.5                  # FedClassAvg's own Adam
+# One MAC cluster: the clients left out join it above sim_threshold
+# (docs/methods.md, FedSA).
 FEDSA_KWARGS = dict(cv_threshold=0.5, num_mic=3, num_mac=1, sim_threshold=0.3)
-KEY = jax.random.PRNGKey(0)
+KWARGS = {"fedprox": {"mu": 0.3}, "cwfedavg": {"wdr_coef": 2.0},
+          "fedclassavg": {"rho": 0.8, "supcon_temperature": 2.0,
+                          "supcon_base_temperature": 0.5},
+          "fedsa": FEDSA_KWARGS,
+          "feddwa": {"alpha": 0.3, "lam": 0.7, "temperature": 0.5},
+          "fedrema": {"temperature": 0.7}}
+KEY = prng.key(0)
 
 
 # ------------------------------------------------------------------ fixtures
@@ -64,10 +70,9 @@ def _federation(num_samples):
   y = rng.integers(0, K, size=(m, L)).astype(np.int32)
   valid = np.arange(L)[None, :] < np.asarray(num_samples)[:, None]
   counts = np.stack([np.bincount(y[i][valid[i]], minlength=K) for i in range(m)])
-  return algorithms.Federation(
-      x=jnp.asarray(x), y=jnp.asarray(y), valid=jnp.asarray(valid), test_x=jnp.asarray(x),
-      test_y=jnp.asarray(y), test_valid=jnp.asarray(valid), counts=jnp.asarray(counts),
-      num_samples=jnp.asarray(num_samples, jnp.float32))
+  return data.Federation(x=x, y=y, valid=valid, test_x=x, test_y=y, test_valid=valid,
+                        counts=counts.astype(np.int32),
+                        num_samples=np.asarray(num_samples, np.int32))
 
 
 FED = _federation(N)
@@ -77,8 +82,21 @@ TRAINED = jax.tree.map(lambda p, d: p + d, INIT,          # T: what they upload
 
 
 @functools.cache
-def _algorithm(name, hp=HP):
-  return algorithms.get_algorithm(name, MODEL, hp, IMAGE)
+def _algorithm(name, grad_clip=None, lr=LR, momentum=MOMENTUM):
+  if name == "fedclassavg":
+    optimizer = simulate.client_optimizer("adam", ADAM_LR, adam_b1=ADAM_B1,
+                                          grad_clip=grad_clip)
+  else:
+    optimizer = simulate.client_optimizer("sgd", lr, momentum, grad_clip=grad_clip)
+  return algorithms.BUILDERS[name](MODEL, optimizer, **KWARGS.get(name, {}))
+
+
+def _init(algorithm, fed=None):
+  return algorithm.init(INIT, jnp.asarray((fed or FED).counts), KEY)
+
+
+def _opt_state(algorithm, state):
+  return train.init_opt_state(algorithm.optimizer, algorithm.client_models(state))
 
 
 @functools.cache
@@ -169,7 +187,8 @@ def _supcon(params):
   z = _np_forward(params, BATCH.x)[0]
   labels, mask = np.asarray(BATCH.y), np.asarray(BATCH.mask)
   return ref.supcon_ref(np.concatenate([z, z]), np.concatenate([labels, labels]),
-                        HP.supcon_temperature, HP.supcon_base_temperature,
+                        KWARGS["fedclassavg"]["supcon_temperature"],
+                        KWARGS["fedclassavg"]["supcon_base_temperature"],
                         np.concatenate([mask, mask]))
 
 
@@ -178,15 +197,16 @@ def _supcon(params):
 
 def _fedrema_soft(trained):
   bias = _np(trained)["classifier"]["output"]["bias"]
-  return ref.soft_logits_ref(bias, HP.fedrema_temperature)
+  return ref.soft_logits_ref(bias, KWARGS["fedrema"]["temperature"])
 
 
 def _expected(name, init, trained, num_samples, mask):
   """The models `evaluate` returns after one server step from `init(init)`.
 
   `trained` is the upload (masked-out rows are ignored), `mask` the clients
-  that took part and uploaded finite values. Written from the papers and
-  SPEC §2/§6 with `references.py`; masked-out clients keep their state.
+  that took part and uploaded finite values. Written from the papers (as
+  settled in docs/methods.md) with `references.py`; masked-out clients keep
+  their state.
   """
   mask = np.asarray(mask)
   on = np.flatnonzero(mask)
@@ -215,13 +235,13 @@ def _expected(name, init, trained, num_samples, mask):
     return {"personalized": own, "global": _with_output(own, _broadcast(head, m))}
   if name == "feddwa":
     exclusive = _np(init)
-    mixed = ref.feddwa_ref(up["w"], _rows(_np(init), on), HP.feddwa_alpha,
-                           HP.feddwa_temperature)
+    mixed = ref.feddwa_ref(up["w"], _rows(_np(init), on), KWARGS["feddwa"]["alpha"],
+                           KWARGS["feddwa"]["temperature"])
     exclusive = jax.tree.map(lambda e, x: _set_rows(e, on, x), exclusive, mixed)
     return {"personalized": _where(mask, trained["v"], init), "exclusive": exclusive}
   assert name == "fedrema"
   mixed, *_ = ref.fedrema_ref(up, n[on], _fedrema_soft(up), np.zeros((len(on),) * 2),
-                              0.0, True, HP.fedrema_delta)
+                              0.0, True, 0.5)
   classifier = jax.tree.map(lambda e, x: _set_rows(e, on, x),
                             _np(init)["classifier"], mixed["classifier"])
   # Alg. 2 line 19: every client receives the averaged feature extractor.
@@ -252,21 +272,21 @@ def _expected_loss(name, q, client):
   if name in ("local", "fedavg", "fedsa", "fedrema"):
     return _ce(q)
   if name == "fedprox":
-    return _ce(q) + HP.fedprox_mu * ref.proximal_ref(q, received)
+    return _ce(q) + KWARGS["fedprox"]["mu"] * ref.proximal_ref(q, received)
   if name == "cwfedavg":
     p = np.asarray(FED.counts[client], np.float64)
     estimate = ref.estimate_class_dist_ref(_np(q)["classifier"]["output"]["kernel"])
-    return _ce(q) + HP.wdr_coef * np.linalg.norm(p / p.sum() - estimate)
+    return _ce(q) + KWARGS["cwfedavg"]["wdr_coef"] * np.linalg.norm(p / p.sum() - estimate)
   if name == "fedclassavg":
     prox = ref.proximal_ref(q["classifier"]["output"], received["classifier"]["output"],
                             reduce="mean")
-    return _ce(q) + _supcon(q) + HP.fedclassavg_rho * prox
+    return _ce(q) + _supcon(q) + KWARGS["fedclassavg"]["rho"] * prox
   assert name == "feddwa"
   exclusive = _expected("feddwa", INIT, _upload("feddwa", TRAINED), N,
                         np.ones(M, bool))["exclusive"]
   anchor = _rows(exclusive, client)   # the exclusive model the client received
   return (_ce(q["w"]) + _ce(q["v"])
-          + HP.feddwa_lambda * ref.proximal_ref(q["v"], anchor))
+          + KWARGS["feddwa"]["lam"] * ref.proximal_ref(q["v"], anchor))
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -274,10 +294,10 @@ def test_local_loss_value_by_hand(name):
   """CE (+ FedProx's mu/2 ||w - w_g||^2, cwFedAvg's WDR, FedClassAvg's SupCon and
   rho/2 sum_tensors mean((C - C_g)^2), FedDWA's pair with lambda/2 ||v - w_g||^2)."""
   algorithm = _algorithm(name)
-  state = algorithm.init(INIT, FED, KEY)
+  state = _init(algorithm)
   if name == "feddwa":
     _, state = _server_step(name, _upload(name, TRAINED), np.ones(M, bool))
-  context = algorithm.context(state, FED)
+  context = algorithm.client_context(state)
   point = _random_params(np.random.default_rng(4), M)   # away from every anchor
   if name == "feddwa":
     point = {"w": point, "v": _random_params(np.random.default_rng(5), M)}
@@ -286,7 +306,7 @@ def test_local_loss_value_by_hand(name):
     if name == "fedclassavg":   # SupCon's representation is taken before the ReLU
       assert (_np_forward(q, BATCH.x)[0][np.asarray(BATCH.mask)] < 0).any()
     got = algorithm.loss(q, _rows(context, client) if context is not None else None,
-                         BATCH, jax.random.PRNGKey(client))
+                         BATCH, prng.key(client))
     np.testing.assert_allclose(got, _expected_loss(name, q, client), rtol=2e-5,
                                atol=1e-5)
 
@@ -302,13 +322,14 @@ def _dirty(opt_state):
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("chosen", [None, [0, 2, 3]], ids=["all", "partial"])
 def test_optimizer_state_is_fresh_each_round_except_fedrema(name, chosen):
-  """FedClassAvg: a new Adam each round (SPEC §6); FedReMa keeps its momentum;
+  """FedClassAvg: a new Adam each round (its paper); FedReMa keeps its momentum;
   the others' SGD (momentum here) starts afresh."""
   algorithm = _algorithm(name)
-  state = algorithm.init(INIT, FED, KEY)
-  previous = _dirty(algorithms.init_opt_state(algorithm, state))
+  state = _init(algorithm)
+  previous = _dirty(_opt_state(algorithm, state))
   participants = None if chosen is None else jnp.asarray(chosen)
-  inputs = algorithms.client_inputs(algorithm, state, previous, FED, participants, KEY)
+  inputs = engine._client_inputs(algorithm, algorithm.client_models(state), previous,
+                                 algorithm.client_context(state), FED, participants, KEY)
   got = jax.tree.leaves(inputs.opt_state)
   assert got, "the optimizer must have a state here (momentum or Adam)"
   if name == "fedrema":
@@ -323,14 +344,17 @@ def test_optimizer_state_is_fresh_each_round_except_fedrema(name, chosen):
 
 def test_fedrema_stores_participants_momentum_and_keeps_the_others():
   algorithm = _algorithm("fedrema")
-  state = algorithm.init(INIT, FED, KEY)
-  previous = _dirty(algorithms.init_opt_state(algorithm, state))
+  state = _init(algorithm)
+  previous = _dirty(_opt_state(algorithm, state))
   chosen = jnp.array([0, 2, 3])
   new_opt = jax.tree.map(lambda x: jnp.full_like(x, 7), _rows(previous, chosen))
-  result = train.ClientResult(_rows(algorithm.start(state), chosen), new_opt,
+  result = train.ClientResult(_rows(algorithm.client_models(state), chosen), new_opt,
                               jnp.ones(3))
-  _, opt_state, losses = algorithms.client_outputs(algorithm, state, previous, chosen,
-                                                   result)
+  inputs = engine._Inputs(None, (chosen,), jnp.asarray(np.arange(M) != ABSENT),
+                          jnp.zeros(M, bool), KEY)
+  groups = groups_lib.one_group(algorithm, MODEL, M)
+  _, _, (opt_state,), losses = engine._trained(groups, (state, (previous,)), inputs,
+                                               (result,))
   for a, b in zip(jax.tree.leaves(opt_state), jax.tree.leaves(previous)):
     np.testing.assert_array_equal(a[ABSENT], b[ABSENT])
     np.testing.assert_array_equal(a[np.asarray(chosen)], 7)
@@ -357,8 +381,8 @@ def _momentum_ref(grads, lr, momentum):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_optimizer_two_steps_by_hand(name):
-  """FedClassAvg: Adam(fedclassavg_lr, betas (0.5, 0.999)); the others: the shared
-  SGD base (lr, momentum)."""
+  """FedClassAvg: its own Adam(lr, betas (0.5, 0.999)); the others: the shared SGD
+  base (lr, momentum)."""
   algorithm = _algorithm(name)
   grads = [np.array([0.5, -2.0, 1e-3]), np.array([-1.0, 0.25, 3.0])]
   as_params = lambda x: ({"w": {"a": x}, "v": {"a": x}} if name == "feddwa"
@@ -366,9 +390,9 @@ def test_optimizer_two_steps_by_hand(name):
   params = as_params(jnp.zeros(3))
   opt_state = algorithm.optimizer.init(params)
   if name == "fedclassavg":
-    expected = _adam_ref(grads, HP.fedclassavg_lr, HP.fedclassavg_adam_b1)
+    expected = _adam_ref(grads, ADAM_LR, ADAM_B1)
   else:
-    expected = _momentum_ref(grads, HP.lr, HP.momentum)
+    expected = _momentum_ref(grads, LR, MOMENTUM)
   for g, want in zip(grads, expected):
     updates, opt_state = algorithm.optimizer.update(
         as_params(jnp.asarray(g, jnp.float32)), opt_state, params)
@@ -383,8 +407,7 @@ def _scaled_to_norm(tree, norm):
 
 def test_feddwa_clips_each_model_of_its_pair_separately():
   """`--grad-clip c`: `w` and `v` are two models, each clipped to norm c (issue 11)."""
-  hp = dataclasses.replace(HP, grad_clip=1.0, lr=1.0, momentum=0.0)
-  optimizer = _algorithm("feddwa", hp).optimizer
+  optimizer = _algorithm("feddwa", grad_clip=1.0, lr=1.0, momentum=0.0).optimizer
   model = _rows(INIT, 0)
   grads = {"w": _scaled_to_norm(_rows(TRAINED, 1), 10.0),
            "v": _scaled_to_norm(_rows(TRAINED, 2), 0.5)}
@@ -396,8 +419,7 @@ def test_feddwa_clips_each_model_of_its_pair_separately():
 
 
 def test_grad_clip_of_a_single_model_uses_its_global_norm():
-  hp = dataclasses.replace(HP, grad_clip=2.0, lr=1.0, momentum=0.0)
-  optimizer = _algorithm("fedrema", hp).optimizer
+  optimizer = _algorithm("fedrema", grad_clip=2.0, lr=1.0, momentum=0.0).optimizer
   model = _rows(INIT, 0)
   grads = _scaled_to_norm(_rows(TRAINED, 1), 8.0)
   updates, _ = optimizer.update(grads, optimizer.init(model), model)
@@ -408,16 +430,36 @@ def test_grad_clip_of_a_single_model_uses_its_global_norm():
 # -------------------------------------------------------------- server steps
 
 
-def _round_outputs(name):
-  """The sweep's server step of one run (`sweep.round_outputs`), aggregating with
-  the already compiled `_server_update`."""
+def _groups(name):
+  """The engine's form of the algorithm, aggregating with the compiled `_server_update`."""
   algorithm = _algorithm(name)._replace(server_update=_server_update(name))
-  return functools.partial(sweep_lib.round_outputs, algorithm)
+  return groups_lib.one_group(algorithm, MODEL, M)
+
+
+def _round_outputs(name):
+  """The engine's server step of one run after local training (`_round_outputs`)."""
+  groups = _groups(name)
+
+  def step(carry, inputs, result):
+    (state, (opt,)), metrics = engine._round_outputs(groups, (carry[0], (carry[1],)),
+                                                     inputs, (result,))
+    return (state, opt), metrics
+  return step
+
+
+def _round_inputs(name, participation, num_clients, carry, fed, t):
+  """The engine's round inputs of one run (seed 0)."""
+  groups = _groups(name)
+  plan = engine.Plan(build=lambda value: groups, num_clients=num_clients,
+                     participation=participation, fault_fraction=0.0, local_epochs=1,
+                     batch_size=2, strategy="vmap")
+  return engine._round_inputs(plan, groups, (carry[0], (carry[1],)), (fed,),
+                              jnp.int32(0), jnp.int32(t))
 
 
 def _server_step(name, trained, mask):
   algorithm = _algorithm(name)
-  state = algorithm.init(INIT, FED, KEY)
+  state = _init(algorithm)
   return algorithm, _server_update(name)(state, trained, jnp.asarray(mask), KEY)
 
 
@@ -436,7 +478,7 @@ def _absent_upload(name, upload):
   """Client ABSENT did not take part: its entry is the model it would have started
   from (`client_outputs`)."""
   algorithm = _algorithm(name)
-  start = algorithm.start(algorithm.init(INIT, FED, KEY))
+  start = algorithm.client_models(_init(algorithm))
   return _choose(np.arange(M) != ABSENT, upload, start)
 
 
@@ -458,11 +500,11 @@ def test_server_step_falls_back_to_the_previous_state_on_non_finite_upload(name)
   mask = np.arange(M) != ABSENT
   poisoned = jax.tree.map(lambda x: x.at[ABSENT].set(jnp.nan), upload)
   algorithm = _algorithm(name)
-  state = algorithm.init(INIT, FED, KEY)
-  opt = algorithms.init_opt_state(algorithm, state)
-  # The engines' server step: the unhealthy upload is dropped first.
-  kept, _ = algorithms_lib.drop_unhealthy(algorithm, state, poisoned, opt, opt,
-                                      jnp.asarray(mask))
+  state = _init(algorithm)
+  opt = _opt_state(algorithm, state)
+  # The engine's server step: the unhealthy upload is dropped first.
+  kept, _ = engine.drop_unhealthy(algorithm.client_models(state), poisoned, opt, opt,
+                                  jnp.asarray(mask))
   state = _server_update(name)(state, kept, jnp.asarray(mask), KEY)
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(state))
   _assert_evaluated(algorithm, state, _expected(name, INIT, upload, N, mask))
@@ -473,10 +515,9 @@ def test_round_without_healthy_client_keeps_the_state(name):
   """Every upload is NaN: the round changes nothing stored (state and optimizer
   state), although the aggregators return zeros for a global model without weight."""
   algorithm = _algorithm(name)
-  state = algorithm.init(INIT, FED, KEY)
-  previous = algorithms.init_opt_state(algorithm, state)
-  inputs = sweep_lib.round_inputs(algorithm, 1.0, M, (state, previous), FED, KEY,
-                                  jnp.int32(0))
+  state = _init(algorithm)
+  previous = _opt_state(algorithm, state)
+  inputs = _round_inputs(name, 1.0, M, (state, previous), FED, 0)
   upload = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), _upload(name, TRAINED))
   new_opt = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), previous)
   result = train.ClientResult(upload, new_opt, jnp.ones(M))
@@ -489,10 +530,9 @@ def test_round_without_healthy_client_keeps_the_state(name):
 def test_fedrema_non_finite_upload_keeps_the_previous_optimizer_state():
   """FedReMa keeps momentum across rounds: a NaN upload must not store NaN momentum."""
   algorithm = _algorithm("fedrema")
-  state = algorithm.init(INIT, FED, KEY)
-  previous = _dirty(algorithms.init_opt_state(algorithm, state))
-  inputs = sweep_lib.round_inputs(algorithm, 1.0, M, (state, previous), FED, KEY,
-                                  jnp.int32(0))
+  state = _init(algorithm)
+  previous = _dirty(_opt_state(algorithm, state))
+  inputs = _round_inputs("fedrema", 1.0, M, (state, previous), FED, 0)
   poison = lambda x: x.at[ABSENT].set(jnp.nan)
   upload = jax.tree.map(poison, _upload("fedrema", TRAINED))
   new_opt = jax.tree.map(lambda x: poison(jnp.full_like(x, 7.0)), previous)
@@ -510,8 +550,8 @@ def test_fedrema_non_finite_upload_keeps_the_previous_optimizer_state():
 
 def _padded_federation(real):
   """The first `real` clients of FED, padded like a sharded sweep's (`pad_clients`)."""
-  runs = jax.tree.map(lambda x: x[None, :real], FED)
-  return jax.tree.map(lambda x: x[0], sweep_lib.pad_clients(runs, M))
+  runs = data.Federation(*(np.asarray(x)[None, :real] for x in FED))
+  return data.Federation(*(x[0] for x in federation_lib.pad_clients(runs, M)))
 
 
 @pytest.mark.parametrize("participation,count", [(1.0, 3), (2 / 3, 2)])
@@ -519,15 +559,14 @@ def test_padded_clients_are_never_chosen(participation, count):
   fed = _padded_federation(3)
   np.testing.assert_array_equal(fed.num_samples, [3, 4, 2, 0])
   algorithm = _algorithm("fedavg")
-  state = algorithm.init(INIT, fed, KEY)
-  carry = (state, algorithms.init_opt_state(algorithm, state))
+  state = _init(algorithm, fed)
+  carry = (state, _opt_state(algorithm, state))
   for t in range(8):
-    inputs = sweep_lib.round_inputs(algorithm, participation, 3, carry, fed, KEY,
-                                    jnp.int32(t))
+    inputs = _round_inputs("fedavg", participation, 3, carry, fed, t)
     took_part = np.asarray(inputs.took_part)
     assert took_part.sum() == count and not took_part[3]
-    if inputs.chosen is not None:
-      chosen = np.asarray(inputs.chosen)
+    if inputs.chosen[0] is not None:
+      chosen = np.asarray(inputs.chosen[0])
       assert len(chosen) == count and chosen.max() < 3
       np.testing.assert_array_equal(took_part[chosen], True)
 
@@ -538,15 +577,15 @@ def test_padded_clients_are_neither_aggregated_nor_peers(name):
   every real client gets what it would without the padding."""
   fed = _padded_federation(3)
   algorithm = _algorithm(name)
-  state = algorithm.init(INIT, fed, KEY)
-  carry = (state, algorithms.init_opt_state(algorithm, state))
-  inputs = sweep_lib.round_inputs(algorithm, 1.0, 3, carry, fed, KEY, jnp.int32(0))
-  assert inputs.chosen is None
+  state = _init(algorithm, fed)
+  carry = (state, _opt_state(algorithm, state))
+  inputs = _round_inputs(name, 1.0, 3, carry, fed, 0)
+  assert inputs.chosen == (None,)
   real = np.arange(M) < 3
   upload = _upload(name, TRAINED)
   # The padded client trains on no sample: its entry is its start model.
-  trained = _choose(real, upload, algorithm.start(state))
-  result = train.ClientResult(trained, inputs.clients.opt_state, jnp.ones(M))
+  trained = _choose(real, upload, algorithm.client_models(state))
+  result = train.ClientResult(trained, inputs.clients[0].opt_state, jnp.ones(M))
   (state, _), metrics = _round_outputs(name)(carry, inputs, result)
   np.testing.assert_array_equal(metrics.took_part, real)
   np.testing.assert_array_equal(metrics.healthy, real)

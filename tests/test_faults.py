@@ -11,23 +11,23 @@ key, upload NaN.
 import dataclasses
 import json
 import os
-import pickle
 
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import serialization
 
 from pflax import algorithms
 from pflax import simulate
 from pflax import train
-from pflax._src import algorithms as algos
 from pflax._src import cli
+from pflax._src import engine
+from pflax._src import prng
 from pflax._src import simulate as simulate_lib
-from pflax._src import sweep as sweep_lib
 
-NAMES = algorithms.NAMES
+NAMES = tuple(algorithms.BUILDERS)
 # End-to-end runs of every algorithm: the stateful ones (a global model, per-client
 # models and optimizer state kept across rounds) in the default run, the others in
 # CI's slow pass; tests/test_algorithms.py covers each server step at unit level.
@@ -35,14 +35,11 @@ FAST = ("fedavg", "feddwa", "fedrema")
 END_TO_END = [n if n in FAST else pytest.param(n, marks=pytest.mark.slow)
               for n in NAMES]
 # test_simulate's federation and training: the suite compiles them once.
-HP = algorithms.Hyperparameters(local_epochs=1)
-CONFIG = simulate.ExperimentConfig(clients=6, rounds=2, model="mlp", hp=HP,
+CONFIG = simulate.ExperimentConfig(clients=6, rounds=2, model="mlp", local_epochs=1,
                                    faulty_clients=0.3)
 FAULTY = 2                          # round(0.3 * 6)
-# Momentum, so that FedReMa's kept optimizer state is not empty.
-MOMENTUM = dataclasses.replace(HP, momentum=0.9)
 BAD = 3                             # the client whose upload is NaN
-KEY = jax.random.PRNGKey(0)
+KEY = prng.key(0)
 
 
 @pytest.fixture(scope="module")
@@ -66,39 +63,49 @@ def _shift(tree, delta):
 def test_fault_draw_is_round_f_p_of_the_participants_by_client_id():
   m = 12
   for seed in range(20):
-    key = jax.random.PRNGKey(seed)
+    key = prng.key(seed)
     took_part = np.asarray(jax.random.bernoulli(jax.random.fold_in(key, 1), 0.6, (m,)))
-    count = simulate_lib.num_faulty(0.25, int(took_part.sum()))
-    faulty = np.asarray(simulate_lib.faulty_clients(key, jnp.asarray(took_part), count))
+    count = engine.num_faulty(0.25, int(took_part.sum()))
+    faulty = np.asarray(engine.faulty_clients(key, jnp.asarray(took_part), count))
     assert faulty.sum() == round(0.25 * took_part.sum()) and not faulty[~took_part].any()
-    # The draw is by client id, not position: grouped or permuted clients give
-    # the same faulty clients (simulate.run concatenates architecture groups).
-    perm = np.random.default_rng(seed).permutation(m)
-    moved = np.asarray(simulate_lib.faulty_clients(key, jnp.asarray(took_part[perm]),
-                                                   count, jnp.asarray(perm)))
-    np.testing.assert_array_equal(moved, faulty[perm])
-  draws = {tuple(np.flatnonzero(simulate_lib.faulty_clients(
-      jax.random.PRNGKey(s), jnp.ones(m, bool), 3))) for s in range(20)}
+    # Client i's score is uniform(fold_in(key, i)): the draw is by client id,
+    # so who else takes part only decides the ranking among participants.
+    scores = np.asarray([jax.random.uniform(jax.random.fold_in(key, i))
+                         for i in range(m)])
+    ranked = sorted(np.flatnonzero(took_part), key=lambda i: scores[i])[:count]
+    assert sorted(np.flatnonzero(faulty)) == sorted(ranked)
+  draws = {tuple(np.flatnonzero(engine.faulty_clients(
+      prng.key(s), jnp.ones(m, bool), 3))) for s in range(20)}
   assert len(draws) > 10                     # a fresh draw per key
 
 
 def test_num_faulty_rounds_like_python():
   # Half-way cases round to even, as the participants' count does.
-  assert [simulate_lib.num_faulty(f, p) for f, p in
+  assert [engine.num_faulty(f, p) for f, p in
           [(0.2, 10), (0.5, 5), (0.5, 3), (0.3, 5), (0.1, 4), (0.0, 7)]] == [2, 2, 2, 2,
                                                                             0, 0]
+
+
+def _plan(setup, config, name="fedavg", strategy="vmap"):
+  return simulate_lib._plan(name, config, setup, config.clients, strategy, None)
+
+
+def _carry(plan, setup):
+  """One run's initial carry (not run-stacked)."""
+  groups = plan.build(None)
+  fed = setup.federation
+  return engine._initial_carry(groups, (fed,), jnp.asarray(fed.counts), jnp.int32(0))
 
 
 def test_fault_draw_leaves_every_other_choice_unchanged(setup):
   """Participants, starting models, data and every key are the same with and
   without faults: the fault key is its own stream of the round's key."""
-  algorithm = algorithms.get_algorithm("fedavg", setup.model, HP, setup.input_shape)
-  params = jax.tree.map(lambda x: jnp.stack([x] * CONFIG.clients),
-                        setup.model.init(KEY, setup.federation.x[0, :1])["params"])
-  state = algorithm.init(params, setup.federation, KEY)
-  carry = (state, algorithms.init_opt_state(algorithm, state))
-  inputs = lambda f: sweep_lib.round_inputs(algorithm, 0.5, CONFIG.clients, carry,
-                                            setup.federation, KEY, jnp.int32(3), f)
+  def inputs(fraction):
+    config = dataclasses.replace(CONFIG, participation=0.5, faulty_clients=fraction)
+    plan = _plan(setup, config)
+    carry = _carry(plan, setup)
+    return engine._round_inputs(plan, plan.build(None), carry, (setup.federation,),
+                                jnp.int32(0), jnp.int32(3))
   clean, faulty = inputs(0.0), inputs(0.4)
   chex.assert_trees_all_equal(clean._replace(faulty=None), faulty._replace(faulty=None))
   # round(0.4 * 3) of the 3 participants (of all 6 clients it would be 2).
@@ -113,64 +120,50 @@ def test_fault_fraction_outside_0_1_is_rejected(setup, fraction):
     simulate.run("fedavg", config, 0, setup=setup)
   with pytest.raises(ValueError, match=r"faulty_clients must be a fraction in \[0, 1\)"):
     simulate.sweep("fedavg", config, [0], setups={0: setup})
-  with pytest.raises(SystemExit, match=r"^pflax-run: --faulty-clients must be a "
+  with pytest.raises(SystemExit, match=r"^pflax-run: faulty_clients must be a "
                                        r"fraction in \[0, 1\), got"):
     cli.main(["--faulty-clients", str(fraction), "--out", "/nonexistent"])
 
 
-# --------------------------------------------- the server step (simulate.run)
-
-
-def _step(name, setup):
-  """An initial state with a momentum, and the engine's jitted server step."""
-  config = dataclasses.replace(CONFIG, faulty_clients=0.0, hp=MOMENTUM)
-  group = simulate_lib._groups(name, config, setup)[0]
-  state, opt_state = group.init(KEY)
-  opt_state = _shift(opt_state, 0.5)
-  return group.algorithm, state, opt_state, simulate_lib._server_step(group.algorithm, 1,
-                                                                      0.0)
+# ------------------------------------------------- the engine's server step
 
 
 def _trained(start, seed):
   leaves, treedef = jax.tree.flatten(start)
-  keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+  keys = jax.random.split(prng.key(seed), len(leaves))
   return treedef.unflatten([x + 0.1 * jax.random.normal(k, x.shape, x.dtype)
                             for x, k in zip(leaves, keys)])
-
-
-def _uploads(algorithm, state, opt_state, chosen, nan_rows=()):
-  """`client_outputs` of a round in which `chosen` trained, `nan_rows` (positions
-  in `chosen`) with a NaN model and NaN optimizer state."""
-  start = algorithm.start(state)
-  rows = jax.tree.map(lambda x: x[chosen], _trained(start, 2))
-  opt_rows = _shift(jax.tree.map(lambda x: x[chosen], opt_state), 1.0)
-  poison = lambda x: (x.at[np.asarray(nan_rows, int)].set(jnp.nan)
-                      if jnp.issubdtype(x.dtype, jnp.floating) else x)
-  if nan_rows:
-    rows, opt_rows = jax.tree.map(poison, rows), jax.tree.map(poison, opt_rows)
-  result = train.ClientResult(rows, opt_rows, jnp.ones(len(chosen)))
-  trained, opt_after, _ = algorithms.client_outputs(algorithm, state, opt_state,
-                                                    jnp.asarray(chosen), result)
-  return trained, opt_after
 
 
 @pytest.mark.parametrize("name", END_TO_END)
 def test_non_finite_upload_equals_absence_and_an_empty_round_keeps_the_state(setup,
                                                                               name):
-  algorithm, state, opt_state, step = _step(name, setup)
-  ids = [np.arange(CONFIG.clients)]
+  # Momentum, so that FedReMa's kept optimizer state is not empty.
+  config = dataclasses.replace(CONFIG, faulty_clients=0.0, momentum=0.9)
+  plan = _plan(setup, config, name)
+  groups = plan.build(None)
+  state, (opt_state,) = _carry(plan, setup)
+  opt_state = _shift(opt_state, 0.5)
+  start = groups.client_models(state)[0]
   everyone = np.arange(CONFIG.clients)
-  others = np.delete(everyone, BAD)
 
-  def server(chosen, nan_rows=()):
-    trained, opt_after = _uploads(algorithm, state, opt_state, chosen, nan_rows)
-    states, opts, took_part, healthy, _ = step([state], [trained], [opt_state],
-                                               [opt_after], [chosen], ids, KEY, KEY)
-    return states[0], opts[0], np.asarray(took_part), np.asarray(healthy)
+  def server(took_part, nan_rows=()):
+    rows = _trained(start, 2)
+    opt_rows = _shift(opt_state, 1.0)
+    poison = lambda x: (x.at[np.asarray(nan_rows, int)].set(jnp.nan)
+                        if jnp.issubdtype(x.dtype, jnp.floating) else x)
+    if nan_rows:
+      rows, opt_rows = jax.tree.map(poison, rows), jax.tree.map(poison, opt_rows)
+    took_part = jnp.asarray(np.isin(everyone, took_part))
+    inputs = engine._Inputs(None, (None,), took_part, jnp.zeros_like(took_part), KEY)
+    result = train.ClientResult(rows, opt_rows, jnp.ones(CONFIG.clients))
+    step = jax.jit(lambda *args: engine._round_outputs(groups, *args))
+    (new, (opts,)), metrics = step((state, (opt_state,)), inputs, (result,))
+    return new, opts, np.asarray(metrics.took_part), np.asarray(metrics.healthy)
 
   # Client BAD trains but uploads NaN, against a round it did not take part in.
   dropped, dropped_opt, took_part, healthy = server(everyone, nan_rows=[BAD])
-  absent, absent_opt, _, absent_healthy = server(others)
+  absent, absent_opt, _, absent_healthy = server(np.delete(everyone, BAD))
   assert took_part.all() and not healthy[BAD]
   np.testing.assert_array_equal(healthy, absent_healthy)
   assert _finite(dropped) and _finite(dropped_opt)
@@ -191,19 +184,19 @@ def test_non_finite_upload_equals_absence_and_an_empty_round_keeps_the_state(set
 def test_faulty_run_counts_its_faults_and_stays_finite(setup, tmp_path, name):
   record = simulate.run(name, CONFIG, 0, setup=setup, checkpoint_dir=str(tmp_path),
                         checkpoint_every=1)
-  for h in record["history"]:
-    assert len(h["faulty_clients"]) == FAULTY
+  for h in record.history:
+    assert len(h.faulty_clients) == FAULTY
     # Nothing else is dropped: only the injected faults are non-finite.
-    assert h["dropped_clients"] == h["faulty_clients"]
-    assert np.isfinite(h["train_loss"]) and 0.0 <= h["personalized_accuracy"] <= 1.0
-  assert record["faulty_uploads"] == FAULTY * CONFIG.rounds
-  with open(os.path.join(tmp_path, f"{name}-seed0.pkl"), "rb") as f:
-    saved = pickle.load(f)
-  assert _finite(saved["state"]) and _finite(saved["opt_state"])
+    assert h.dropped_clients == h.faulty_clients
+    assert np.isfinite(h.train_loss) and 0.0 <= h.accuracy() <= 1.0
+  assert record.faulty_uploads == FAULTY * CONFIG.rounds
+  with open(os.path.join(tmp_path, f"{name}-seed0.ckpt"), "rb") as f:
+    saved = serialization.msgpack_restore(f.read())
+  assert _finite(saved["carry"])
   # Reproducible: the same seed draws the same faulty clients.
   again = simulate.run(name, CONFIG, 0, setup=setup)
-  assert [h["faulty_clients"] for h in again["history"]] == [
-      h["faulty_clients"] for h in record["history"]]
+  assert [h.faulty_clients for h in again.history] == [
+      h.faulty_clients for h in record.history]
 
 
 def test_cli_records_the_faulty_clients_of_every_round(tmp_path):
@@ -227,9 +220,9 @@ def test_heterogeneous_fedclassavg_draws_faults_over_all_groups():
   config = dataclasses.replace(CONFIG, clients=8, participation=1.0, faulty_clients=0.25,
                                heterogeneous=True)
   record = simulate.run("fedclassavg", config, 0)
-  for h in record["history"]:
-    assert len(h["faulty_clients"]) == 2 and h["dropped_clients"] == h["faulty_clients"]
-    assert 0.0 <= h["personalized_accuracy"] <= 1.0
+  for h in record.history:
+    assert len(h.faulty_clients) == 2 and h.dropped_clients == h.faulty_clients
+    assert 0.0 <= h.accuracy() <= 1.0
 
 
 # Digits over 10 clients, Dirichlet(0.5): every method converges in 30 rounds
@@ -239,7 +232,7 @@ def test_heterogeneous_fedclassavg_draws_faults_over_all_groups():
 # gets its class model from the others there (the method, not the fault path).
 ACCURACY_CONFIG = simulate.ExperimentConfig(
     clients=10, partition="dirichlet", dirichlet_alpha=0.5, rounds=30, model="mlp",
-    hp=algorithms.Hyperparameters(local_epochs=2))
+    local_epochs=2)
 
 
 @pytest.mark.slow
@@ -249,8 +242,8 @@ def test_a_fifth_faulty_clients_cost_a_few_points(name):
   clean = simulate.run(name, ACCURACY_CONFIG, 0, setup=setup)
   faulty = simulate.run(name, dataclasses.replace(ACCURACY_CONFIG, faulty_clients=0.2),
                         0, setup=setup)
-  assert all(len(h["faulty_clients"]) == 2 for h in faulty["history"])
-  for kind in algos.EVALUATED:
-    if clean[f"{kind}_accuracy"] is not None:
-      drop = clean[f"{kind}_accuracy"]["final"] - faulty[f"{kind}_accuracy"]["final"]
-      assert drop < 0.03, (kind, clean[f"{kind}_accuracy"], faulty[f"{kind}_accuracy"])
+  assert all(len(h.faulty_clients) == 2 for h in faulty.history)
+  for kind in algorithms.EVALUATED:
+    if clean.summary(kind) is not None:
+      drop = clean.summary(kind).final - faulty.summary(kind).final
+      assert drop < 0.03, (kind, clean.summary(kind), faulty.summary(kind))

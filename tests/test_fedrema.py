@@ -107,7 +107,7 @@ def test_mds_hand_example():
 
 
 def test_mds_equal_peers_are_selected_together():
-  # With every peer equally similar all remaining gaps are 0. SPEC 2.5's rule
+  # With every peer equally similar all remaining gaps are 0. The settled MDS rule (docs/methods.md#fedrema)
   # by sorted position would drop the first peer of the stable sort; pflax
   # resolves ties by value (documented in `mds`'s Notes; `ref.mds_ref` follows
   # it) and keeps all of them, as a client-order-independent rule must.
@@ -250,7 +250,7 @@ def _one_hot_soft():
     (2.0, 0.5000001, False),   # just above the boundary
 ])
 def test_ccp_boundary_is_inclusive(max_gap, delta, in_ccp):
-  # SPEC 2.5: the CCP continues while gap_bar >= delta * max_gap.
+  # docs/methods.md#fedrema: the CCP continues while gap_bar >= delta * max_gap.
   params = ref.random_params(np.random.default_rng(5), 4)
   state = _state(np.zeros((4, 4)), max_gap, True)
   _, new = agg.fedrema(params, None, _one_hot_soft(), state, delta=delta)
@@ -260,7 +260,7 @@ def test_ccp_boundary_is_inclusive(max_gap, delta, in_ccp):
 
 
 def test_masked_clients_receive_the_feature_extractor():
-  # Issue 11 item 9 (Alg. 2, line 19; SPEC 2.5): every client receives theta;
+  # Issue 11 item 9 (Alg. 2, line 19; docs/methods.md#fedrema): every client receives theta;
   # masked clients keep only their own classifier.
   rng = np.random.default_rng(6)
   params = ref.random_params(rng, 4)

@@ -1,4 +1,4 @@
-"""FedSA: the worked examples of SPEC 2.6 and a loop reference of steps 1-7.
+"""FedSA: the worked examples of docs/methods.md#fedsa and a loop reference of steps 1-7.
 
 FedSA compiles a clustering loop per leaf, so these tests share a few compiled
 functions (hyperparameters that may be traced are passed as arguments).
@@ -119,7 +119,7 @@ def test_per_leaf_with_odd_shapes():
 
 def test_join_pair_tie_is_decided_exactly():
   # Regression: here a cluster of three ties with the best free pair (q* = p* =
-  # 2/7 in exact arithmetic); SPEC 2.6 joins on ties, float rounding of the
+  # 2/7 in exact arithmetic); the reconstruction (docs/methods.md#fedsa) joins on ties, float rounding of the
   # averaged fractions used to open a new pair instead.
   rng = np.random.default_rng(66)
   m, size = int(rng.integers(1, 9)), int(rng.integers(1, 12))
@@ -172,7 +172,7 @@ def _clusters(counts, num_high, num_mac, threshold):
 def test_issue_11_ties_between_cluster_sizes():
   # Issue 11 item 3: the late client [0,0,1,1,2] agrees on 1 of 5 positions
   # with every member of both clusters: linkages 5/25 and 4/20 tie, so it
-  # joins the first cluster (SPEC 2.6). Float rounding sent it to the second.
+  # joins the first cluster (docs/methods.md#fedsa). Float rounding sent it to the second.
   w = np.array([[0, 3, 0, 3, 0]] * 5 + [[3, 0, 3, 0, 3]] * 4 + [[0, 0, 1, 1, 2]] * 3,
                np.float32)
   expected = [1.5, 0.9375, 1.6875, 1.125, 1.875]   # (5 A + 7 B) / 12 mixed by votes

@@ -6,7 +6,7 @@ Hostile inputs over M (1..8), K (1..6), leaf ranks 0..3 in nested dicts, dtypes
 NaN/inf, and ties (repeated rows, identical clients, integer-valued params).
 Oracle: the float64 loop references of `references.py`.
 
-The properties are the contract (SPEC, issue 11, the boundary API), never
+The properties are the contract (docs/methods.md, issue 11, the boundary API), never
 today's behaviour. Cases whose answer depends on how float rounding breaks a
 near-tie (a similarity gap, a coefficient of variation at the threshold) are
 skipped with `assume`: the reference cannot say which side is right there.
@@ -581,7 +581,7 @@ def test_low_precision_dtype(name, data):
 @given(data=st.data())
 def test_float64_under_x64(name, data):
   """float64 in (jax.enable_x64): float64 out, statistics and weights in
-  float64, so the reference holds to ~1e-14 relative (SPEC 1, issue item 5)."""
+  float64, so the reference holds to ~1e-14 relative (docs/methods.md common rules, issue 11 item 5)."""
   a = AGG_BY_NAME[name]
   case = _draw_case(data, a, "float64", shape=_one_shape(data, a))
   with jax.enable_x64(True):

@@ -9,32 +9,29 @@ import textwrap
 import jax
 import pytest
 
-from pflax import algorithms
+from pflax import data
 from pflax import simulate
+from pflax._src.data import federation
 
 SCRIPT = textwrap.dedent("""
     import json, sys
     import jax
     import numpy as np
-    jax.config.update("jax_threefry_partitionable", False)
-    from pflax import algorithms, simulate
-    from pflax._src import sweep as sweep_lib
+    from pflax import simulate
+    from pflax._src import simulate as simulate_lib
 
     name, devices = sys.argv[1], int(sys.argv[2])
-    config = simulate.ExperimentConfig(
-        clients=6, rounds=2, model="mlp", strategy="vmap",
-        hp=algorithms.Hyperparameters(local_epochs=1))
+    config = simulate.ExperimentConfig(clients=6, rounds=2, model="mlp", strategy="vmap",
+                                       local_epochs=1)
     setups = {s: simulate.prepare(config, s) for s in (0, 1)}
     mesh = jax.make_mesh((devices,), ("clients",),
                          axis_types=(jax.sharding.AxisType.Auto,))
     single = simulate.sweep(name, config, [0, 1], setups=setups)
     sharded = simulate.sweep(name, config, [0, 1], setups=setups, mesh=mesh)
 
-    grid = sweep_lib.prepare_grid(name, config, [0, 1], setups=setups, mesh=mesh)
-    carry = grid.programs.init(grid.values, grid.seeds, grid.feds)
-    carry, metrics = grid.programs.round(grid.values, carry, grid.feds, grid.seeds,
-                                         np.int32(0))
-    padded = grid.feds.num_samples.shape[1]
+    grid = simulate_lib._Grid(name, config, [0, 1], None, (), setups, mesh)
+    carry, metrics = grid.round(grid.start(), 0)
+    padded = grid.feds[0].num_samples.shape[1]
     layouts = []
     for path, leaf in jax.tree_util.tree_leaves_with_path((carry, metrics, grid.feds)):
       if leaf.ndim >= 2 and leaf.shape[1] == padded:
@@ -43,7 +40,8 @@ SCRIPT = textwrap.dedent("""
                             None, "clients"),
                         "devices": len(leaf.sharding.device_set),
                         "shard_clients": leaf.sharding.shard_shape(leaf.shape)[1]})
-    print(json.dumps({"single": single, "sharded": sharded, "padded": padded,
+    print(json.dumps({"single": [r.to_json() for r in single],
+                      "sharded": [r.to_json() for r in sharded], "padded": padded,
                       "devices": jax.device_count(), "layouts": layouts}))
 """)
 
@@ -82,11 +80,11 @@ def test_sharded_run_equals_single_device_and_stays_split(name, devices):
     _assert_same(a, b)
   assert out["layouts"], "no client-axis leaves found"
   split = {l["leaf"] for l in out["layouts"]}
-  assert {"[2].x", "[2].counts", "[1].losses"} <= split, split
+  assert {"[2][0].x", "[2][0].counts", "[1].losses"} <= split, split
   if name in ("feddwa", "fedrema"):  # per-client models (FedAvg keeps a global one,
     assert any("kernel" in leaf for leaf in split), split  # cwFedAvg class models)
   if name == "cwfedavg":
-    assert "[0][0]['dist']" in split, split
+    assert "[0][0].class_dist" in split, split
   for layout in out["layouts"]:
     assert layout["split"], layout
     assert layout["devices"] == devices, layout
@@ -94,8 +92,7 @@ def test_sharded_run_equals_single_device_and_stays_split(name, devices):
 
 
 def test_explicit_mesh_axes_are_rejected():
-  config = simulate.ExperimentConfig(clients=2, rounds=1, model="mlp",
-                                     hp=algorithms.Hyperparameters(local_epochs=1))
+  config = simulate.ExperimentConfig(clients=2, rounds=1, model="mlp", local_epochs=1)
   mesh = jax.make_mesh((1,), ("clients",),
                        axis_types=(jax.sharding.AxisType.Explicit,))
   with pytest.raises(ValueError, match="AxisType.Auto"):
@@ -104,8 +101,8 @@ def test_explicit_mesh_axes_are_rejected():
 
 def test_pad_clients_appends_empty_clients():
   config = simulate.ExperimentConfig(clients=3, model="mlp")
-  fed = simulate.stack_federations([simulate.prepare(config, 0).federation])
-  padded = simulate.pad_clients(fed, 4)
+  fed = data.stack_federations([simulate.prepare(config, 0).federation])
+  padded = federation.pad_clients(fed, 4)
   assert padded.x.shape[1] == 4 and padded.counts.shape[1] == 4
   assert not padded.valid[:, 3].any() and not padded.test_valid[:, 3].any()
   assert int(padded.num_samples[0, 3]) == 0

@@ -7,15 +7,13 @@ import jax
 import numpy as np
 import pytest
 
-from pflax import algorithms
 from pflax import simulate
 from pflax import train
-from pflax._src import sweep as sweep_lib
-from pflax._src.algorithms import EVALUATED
+from pflax._src import sharding
+from pflax._src.algorithm import EVALUATED
 
-CONFIG = simulate.ExperimentConfig(
-    clients=6, rounds=3, model="mlp", strategy="vmap",
-    hp=algorithms.Hyperparameters(local_epochs=1))
+CONFIG = simulate.ExperimentConfig(clients=6, rounds=3, model="mlp", strategy="vmap",
+                                   local_epochs=1)
 SEEDS = (0, 1)
 
 
@@ -33,6 +31,7 @@ def _tolerances(setup):
 
 
 def _assert_same_run(swept, single, tolerance, client_tolerance):
+  swept, single = swept.to_json(), single.to_json()
   assert swept["algorithm"] == single["algorithm"] and swept["seed"] == single["seed"]
   for a, b in zip(swept["history"], single["history"]):
     assert a["round"] == b["round"] and a["dropped_clients"] == b["dropped_clients"]
@@ -69,32 +68,32 @@ def test_sweep_with_faulty_clients_equals_separate_runs(setups, name):
   # of the 3 participants, and drops them alike; FedReMa's personalized models
   # stay finite (issue 11, 8: it kept a faulty client's NaN classifier).
   config = dataclasses.replace(CONFIG, participation=0.5, faulty_clients=0.4,
-                               hp=dataclasses.replace(CONFIG.hp, momentum=0.9))
+                               momentum=0.9)
   swept = simulate.sweep(name, config, SEEDS, setups=setups)
   for record, seed in zip(swept, SEEDS):
-    assert all(len(h["faulty_clients"]) == 1 for h in record["history"])
-    assert record["faulty_uploads"] == config.rounds
-    assert np.isfinite(record["output_norms"]).all()
-    assert all(np.isfinite(h["personalized_accuracy"]) for h in record["history"])
+    assert all(len(h.faulty_clients) == 1 for h in record.history)
+    assert record.faulty_uploads == config.rounds
+    assert np.isfinite(record.output_norms).all()
+    assert all(np.isfinite(h.accuracy()) for h in record.history)
     single = simulate.run(name, config, seed, setup=setups[seed])
     _assert_same_run(record, single, *_tolerances(setups[seed]))
 
 
 @pytest.mark.parametrize("name,field,values", [
-    pytest.param("feddwa", "feddwa_alpha", (0.2, 0.9), marks=SLOW),
+    pytest.param("feddwa", "alpha", (0.2, 0.9), marks=SLOW),
     pytest.param("cwfedavg", "wdr_coef", (0.0, 5.0), marks=SLOW),
     pytest.param("fedavg", "lr", (0.01, 0.1), marks=SLOW),
 ])
 def test_hyperparameter_grid_equals_separate_runs(setups, name, field, values):
   swept = simulate.sweep(name, CONFIG, [0], hyperparameter=field, values=values,
                          setups=setups)
-  assert [r["hyperparameter"] for r in swept] == [{field: v} for v in values]
+  assert [r.hyperparameter for r in swept] == [{field: v} for v in values]
   for record, value in zip(swept, values):
-    config = dataclasses.replace(
-        CONFIG, hp=dataclasses.replace(CONFIG.hp, **{field: value}))
+    config = (dataclasses.replace(CONFIG, lr=value) if field == "lr" else
+              dataclasses.replace(CONFIG, hyperparameters={name: {field: value}}))
     single = simulate.run(name, config, 0, setup=setups[0])
     _assert_same_run(record, single, *_tolerances(setups[0]))
-  first, second = (r["history"][-1]["train_loss"] for r in swept)
+  first, second = (r.history[-1].train_loss for r in swept)
   assert first != second  # the value really reaches the computation
 
 
@@ -102,7 +101,7 @@ def test_sweep_compiles_once_and_is_deterministic(setups, caplog):
   compiles_after_round_2 = []
 
   def on_round(t, records):
-    assert [r["round"] for r in records] == [t] * len(SEEDS)
+    assert [r.round for r in records] == [t] * len(SEEDS)
     if t >= 2:
       compiles_after_round_2.extend(
           r for r in caplog.records if "Compiling" in r.getMessage())
@@ -114,18 +113,19 @@ def test_sweep_compiles_once_and_is_deterministic(setups, caplog):
   assert not compiles_after_round_2, [r.getMessage()[:120] for r in
                                       compiles_after_round_2]
   second = simulate.sweep("fedavg", config, SEEDS, setups=setups)
-  without_time = lambda runs: [{k: v for k, v in r.items() if k != "seconds"}
+  without_time = lambda runs: [{k: v for k, v in r.to_json().items() if k != "seconds"}
                                for r in runs]
   assert without_time(first) == without_time(second)
-  assert first[0]["history"] != first[1]["history"]  # seeds differ
+  assert first[0].history != first[1].history  # seeds differ
 
 
 @pytest.mark.parametrize("kwargs,match", [
     ({"seeds": []}, "seeds"),
     ({"seeds": [0], "hyperparameter": "local_epochs", "values": [1.0]},
      "hyperparameter must be one of"),
-    ({"seeds": [0], "hyperparameter": "feddwa_alpha", "values": [1.5]},
-     "values of feddwa_alpha"),
+    ({"seeds": [0], "hyperparameter": "alpha", "values": [0.5]},
+     "hyperparameter must be one of"),  # a keyword of FedDWA, not of FedAvg
+    ({"seeds": [0], "hyperparameter": "lr", "values": [-1.0]}, "lr must be a finite number in"),
     ({"seeds": [0], "hyperparameter": "lr", "values": [float("nan")]}, "values of lr"),
     ({"seeds": [0], "values": [0.1]}, "without a hyperparameter"),
 ])
@@ -134,9 +134,27 @@ def test_bad_grids_raise(kwargs, match):
     simulate.sweep("fedavg", CONFIG, **kwargs)
 
 
+@pytest.mark.parametrize("name,field,value,match", [
+    ("feddwa", "alpha", 1.5, "alpha must be a finite number in"),
+    ("fedrema", "temperature", 0.0, "temperature must be a finite number in"),
+    ("cwfedavg", "wdr_coef", -1.0, "wdr_coef must be"),
+])
+def test_each_swept_value_meets_the_builders_range(name, field, value, match):
+  with pytest.raises(ValueError, match=match):
+    simulate.sweep(name, CONFIG, [0], hyperparameter=field, values=[0.5, value])
+
+
+def test_any_float_keyword_of_a_builder_is_sweepable():
+  from pflax import algorithms  # pylint: disable=import-outside-toplevel
+  assert simulate.sweepable(algorithms.class_wise_averaging) == ("lr", "wdr_coef")
+  assert simulate.sweepable(algorithms.federated_averaging) == ("lr",)
+  assert set(simulate.sweepable(algorithms.classifier_averaging)) == {
+      "lr", "rho", "supcon_temperature", "supcon_base_temperature"}
+
+
 @pytest.mark.parametrize("name,field,values", [
     ("cwfedavg", None, ()),
-    ("fedclassavg", "fedclassavg_rho", (0.1, 0.5)),  # warm-up phase, traced value
+    ("fedclassavg", "rho", (0.1, 0.5)),  # warm-up phase, traced value
 ])
 def test_looped_sweep_equals_vmapped_sweep(setups, name, field, values):
   looped = dataclasses.replace(CONFIG, strategy="loop")
@@ -144,11 +162,11 @@ def test_looped_sweep_equals_vmapped_sweep(setups, name, field, values):
   kwargs = dict(hyperparameter=field, values=values, setups=setups)
   expected = simulate.sweep(name, CONFIG, seeds, **kwargs)
   for record, vmapped in zip(simulate.sweep(name, looped, seeds, **kwargs), expected):
-    _assert_same_run(record, vmapped, *_tolerances(setups[record["seed"]]))
+    _assert_same_run(record, vmapped, *_tolerances(setups[record.seed]))
 
 
 def test_sharded_loop_strategy_is_rejected():
   with pytest.raises(ValueError, match="a sharded sweep maps clients inside one"):
-    sweep_lib.sweep_strategy("loop", sharded=True)
-  assert sweep_lib.sweep_strategy("auto", sharded=True) == "vmap"
-  assert sweep_lib.sweep_strategy("auto") == train.default_strategy()
+    sharding.strategy("loop", sharded=True)
+  assert sharding.strategy("auto", sharded=True) == "vmap"
+  assert sharding.strategy("auto") == train.default_strategy()

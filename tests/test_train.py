@@ -11,6 +11,7 @@ import pytest
 
 from pflax import losses
 from pflax import train
+from pflax._src import mapping
 from pflax._src import train as train_lib
 
 M, L, D, K, B = 4, 13, 5, 3, 4
@@ -43,7 +44,7 @@ def _reference_client(optimizer, params, x, y, n, key, epochs):
   opt_state = optimizer.init(params)
   losses_ = []
   for e in range(epochs):
-    order = np.asarray(train.epoch_order(jax.random.fold_in(order_key, e), valid))[:n]
+    order = np.asarray(train_lib._epoch_order(jax.random.fold_in(order_key, e), valid))[:n]
     for s in range(-(-n // B)):
       idx = order[s * B:(s + 1) * B]
       batch = train.Batch(x[idx], y[idx], jnp.ones(len(idx), bool))
@@ -183,10 +184,10 @@ def test_default_unroll_unrolls_only_convolutions_on_cpu():
   conv_params = {"w": jnp.ones((9 * K,))}
   dense_params = {"w": jnp.ones((16, K)), "b": jnp.zeros(K)}
   steps = 2 * -(-L // B)
-  assert train.has_convolution(_conv_loss, conv_params, None,
+  assert train_lib._has_convolution(_conv_loss, conv_params, None,
                                train.Batch(jnp.zeros((B, 16)), jnp.zeros(B, jnp.int32),
                                            jnp.ones(B, bool)), None)
-  assert not train.has_convolution(_linear_loss, dense_params, 0.0,
+  assert not train_lib._has_convolution(_linear_loss, dense_params, 0.0,
                                    train.Batch(jnp.zeros((B, 16)),
                                                jnp.zeros(B, jnp.int32),
                                                jnp.ones(B, bool)), jax.random.PRNGKey(0))
@@ -259,7 +260,7 @@ def test_memory_budget_chunks_equal_vmap(five_clients, monkeypatch):
   per_client = train.bytes_per_client(one, *args)
   budget = 2 * per_client + per_client // 2  # two clients at once: chunks 2, 2, 1
   assert train.chunk_size_for_budget(per_client, 5, budget) == 2
-  monkeypatch.setattr(train_lib, "default_strategy", lambda: "vmap")  # "auto" -> vmap
+  monkeypatch.setattr(mapping, "default_strategy", lambda: "vmap")  # "auto" -> vmap
   for strategy, memory_budget in (("map", budget), ("auto", 10**12)):
     result = make(strategy=strategy, memory_budget=memory_budget)(*args)
     chex.assert_trees_all_close(result, expected, rtol=1e-6, atol=1e-6)

@@ -2,7 +2,6 @@
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 from collections.abc import Sequence
@@ -11,22 +10,24 @@ from typing import Any
 import jax
 import numpy as np
 
-from pflax._src import algorithms as algos
+from pflax._src import builders
 from pflax._src import plots
+from pflax._src import records
 from pflax._src import simulate
-from pflax._src import sweep as sweep_lib
 
 
 def _parser() -> argparse.ArgumentParser:
   defaults = simulate.ExperimentConfig()
-  hp = defaults.hp
+  hp = defaults
+  names = tuple(builders.BUILDERS)
   p = argparse.ArgumentParser(
       prog="pflax-run",
       description="Personalized federated learning experiments with pflax. With no "
                   "arguments: all eight algorithms on the offline digits dataset.")
-  p.add_argument("--algorithms", nargs="+", default=list(algos.NAMES),
-                 choices=algos.NAMES, metavar="NAME",
-                 help=f"any of {' '.join(algos.NAMES)} (default: all)")
+  p.add_argument("--algorithms", nargs="+", default=list(names), metavar="NAME",
+                 help=f"any of {' '.join(names)} (default: all), or your own "
+                      "builder as module:function (importable from the current "
+                      "directory)")
   p.add_argument("--dataset", default=defaults.dataset,
                  help="'digits' (offline, default) or a prepared TFDS name: mnist, "
                       "fashion_mnist, cifar10, cifar100, emnist/letters")
@@ -63,10 +64,10 @@ def _parser() -> argparse.ArgumentParser:
                  help="how clients are mapped in local training")
   p.add_argument("--seeds", type=int, nargs="+", default=[0],
                  help="several seeds run as one sweep (see --sequential)")
-  p.add_argument("--sweep", default=None, choices=sorted(sweep_lib.SWEEPABLE),
-                 metavar="HYPERPARAMETER",
+  p.add_argument("--sweep", default=None, metavar="HYPERPARAMETER",
                  help="also sweep this numeric hyperparameter over --values, "
-                      f"together with the seeds; one of {' '.join(sorted(sweep_lib.SWEEPABLE))}")
+                      "together with the seeds: lr or any float keyword of the "
+                      "algorithm's builder (e.g. wdr_coef for cwfedavg)")
   p.add_argument("--values", type=float, nargs="+", default=[],
                  help="the values of --sweep")
   p.add_argument("--devices", type=int, default=None,
@@ -95,36 +96,36 @@ def _parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> simulate.ExperimentConfig:
   """The experiment configuration named by command-line arguments."""
-  try:
-    simulate.check_faults(args.faulty_clients, name="--faulty-clients")
-  except ValueError as e:
-    raise SystemExit(f"pflax-run: {e}") from None
-  hp = dataclasses.replace(algos.Hyperparameters(), lr=args.lr,
-                           batch_size=args.batch_size,
-                           local_epochs=args.local_epochs, optimizer=args.optimizer,
-                           momentum=args.momentum, grad_clip=args.grad_clip)
-  return simulate.ExperimentConfig(
+  config = simulate.ExperimentConfig(
       dataset=args.dataset, data_dir=args.data_dir, partition=args.partition,
       clients=args.clients, classes_per_client=args.classes_per_client,
       dirichlet_alpha=args.dirichlet_alpha, iid_fraction=args.iid_fraction,
       participation=args.participation, faulty_clients=args.faulty_clients,
-      rounds=args.rounds,
-      eval_every=args.eval_every, model=args.model, heterogeneous=args.heterogeneous,
-      strategy=args.strategy, hp=hp)
+      rounds=args.rounds, eval_every=args.eval_every, model=args.model,
+      heterogeneous=args.heterogeneous, strategy=args.strategy,
+      local_epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr,
+      optimizer=args.optimizer, momentum=args.momentum, grad_clip=args.grad_clip)
+  try:
+    simulate.check_config(config)
+    for name in args.algorithms:
+      simulate.resolve_builder(name)
+  except ValueError as e:
+    raise SystemExit(f"pflax-run: {e}") from None
+  return config
 
 
 def _swept(args: argparse.Namespace) -> bool:
   """Whether the seeds (and --sweep values) run as one sweep."""
   several = len(args.seeds) > 1 or args.sweep is not None or args.devices
-  sequential = (args.sequential or args.heterogeneous or args.checkpoint_every
-                or args.resume)
-  if (args.sweep is not None or args.devices) and sequential:
+  if (args.sweep is not None or args.devices) and args.sequential:
     raise SystemExit("pflax-run: --sweep and --devices run as one sweep; they cannot "
-                     "be combined with --sequential, --heterogeneous or checkpoints.")
+                     "be combined with --sequential.")
+  if args.devices and (args.checkpoint_every or args.resume):
+    raise SystemExit("pflax-run: checkpoints are not supported with --devices.")
   if args.devices and args.strategy == "loop":
     raise SystemExit("pflax-run: --devices runs each round as one program over the "
                      "devices; use --strategy auto, vmap or map.")
-  return bool(several) and not sequential
+  return bool(several) and not args.sequential
 
 
 def _mesh(devices: int | None) -> jax.sharding.Mesh | None:
@@ -145,7 +146,7 @@ def _progress(total: int, label: str, enabled: bool) -> Any:
               file=sys.stderr, dynamic_ncols=True)
 
 
-def _table(runs: list[dict[str, Any]]) -> str:
+def _table(runs: Sequence[records.RunRecord]) -> str:
   """Markdown table of accuracies per algorithm (and value), mean ± std over seeds.
 
   "per client" is the final unweighted mean over clients of the personalized
@@ -154,12 +155,12 @@ def _table(runs: list[dict[str, Any]]) -> str:
   """
   lines = ["| algorithm | personalized best | personalized final | per client final: "
            "mean (std) | global final | exclusive final |", "|---|---|---|---|---|---|"]
-  for label in dict.fromkeys(plots.run_label(r) for r in runs):
-    rs = [r for r in runs if plots.run_label(r) == label]
+  for label in dict.fromkeys(r.label for r in runs):
+    rs = [r for r in runs if r.label == label]
     fmt = lambda v: f"{100 * np.mean(v):.2f} ± {100 * np.std(v):.2f}"
-    acc = lambda kind, key: (fmt([r[f"{kind}_accuracy"][key] for r in rs])
-                             if rs[0][f"{kind}_accuracy"] else "—")
-    clients = lambda key: 100 * np.mean([r["personalized_accuracy"][key] for r in rs])
+    acc = lambda kind, field: (fmt([getattr(r.summary(kind), field) for r in rs])
+                               if rs[0].summary(kind) else "—")
+    clients = lambda field: 100 * np.mean([getattr(r.summary(), field) for r in rs])
     lines.append(f"| {label} | {acc('personalized', 'best')} | "
                  f"{acc('personalized', 'final')} | {clients('client_mean'):.2f} "
                  f"({clients('client_std'):.2f}) | {acc('global', 'final')} | "
@@ -178,82 +179,66 @@ def _config_dict(config: simulate.ExperimentConfig, args: argparse.Namespace
   return out
 
 
-def _report(run: dict[str, Any]) -> None:
-  print(f"{plots.run_label(run):12s} seed {run['seed']}: personalized best "
-        f"{run['personalized_accuracy']['best']:.4f} final "
-        f"{run['personalized_accuracy']['final']:.4f} ({run['seconds']:.1f} s)",
-        flush=True)
-
-
-def _single(name: str, config: simulate.ExperimentConfig, args: argparse.Namespace,
-            seed: int, setup: simulate.Setup) -> dict[str, Any]:
-  """One run with a progress bar, checkpoints as asked."""
-  bar = _progress(config.rounds, f"{name} seed {seed}", not args.no_progress)
-
-  def on_round(record):
-    if "personalized_accuracy" in record:
-      bar.set_postfix(acc=f"{record['personalized_accuracy']:.3f}",
-                      loss=f"{record['train_loss']:.3f}")
-    bar.update(1)
-
-  checkpoints = args.out if args.checkpoint_every or args.resume else None
-  run = simulate.run(name, config, seed, setup=setup, on_round=on_round,
-                     checkpoint_dir=checkpoints, checkpoint_every=args.checkpoint_every,
-                     resume=args.resume)
-  bar.close()
-  _report(run)
-  return run
+def _report(run: records.RunRecord) -> None:
+  summary = run.summary()
+  print(f"{run.label:12s} seed {run.seed}: personalized best {summary.best:.4f} "
+        f"final {summary.final:.4f} ({run.seconds:.1f} s)", flush=True)
 
 
 def _sweep(name: str, config: simulate.ExperimentConfig, args: argparse.Namespace,
-           setups: dict[int, simulate.Setup]) -> list[dict[str, Any]]:
-  """All seeds (and --sweep values) of one algorithm as one sweep."""
-  bar = _progress(config.rounds, f"{name} x{len(args.seeds) * max(len(args.values), 1)}",
-                  not args.no_progress)
+           seeds: list[int], setups: dict[int, simulate.Setup]
+           ) -> list[records.RunRecord]:
+  """The seeds (and --sweep values) of one algorithm as one sweep, with a progress
+  bar and checkpoints as asked."""
+  runs = len(seeds) * max(len(args.values), 1)
+  label = f"{name} seed {seeds[0]}" if runs == 1 else f"{name} x{runs}"
+  bar = _progress(config.rounds, label, not args.no_progress)
 
-  def on_round(t, records):
+  def on_round(t, rounds):
     del t
-    accs = [r["personalized_accuracy"] for r in records if "personalized_accuracy" in r]
+    accs = [r.accuracy() for r in rounds if r.accuracy() is not None]
     if accs:
-      bar.set_postfix(mean_acc=f"{np.mean(accs):.3f}")
+      bar.set_postfix(acc=f"{np.mean(accs):.3f}",
+                      loss=f"{np.mean([r.train_loss for r in rounds]):.3f}")
     bar.update(1)
 
-  runs = sweep_lib.sweep(name, config, args.seeds, hyperparameter=args.sweep,
-                        values=args.values, setups=setups, on_round=on_round,
-                        mesh=_mesh(args.devices))
+  checkpoints = args.out if args.checkpoint_every or args.resume else None
+  try:
+    out = simulate.sweep(name, config, seeds, hyperparameter=args.sweep,
+                         values=args.values, setups=setups, on_round=on_round,
+                         mesh=_mesh(args.devices), checkpoint_dir=checkpoints,
+                         checkpoint_every=args.checkpoint_every, resume=args.resume)
+  except ValueError as e:
+    raise SystemExit(f"pflax-run: {e}") from None
   bar.close()
-  for run in runs:
+  for run in out:
     _report(run)
-  return runs
+  return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
   """Entry point of `pflax-run` and `python -m pflax`."""
   args = _parser().parse_args(argv)
-  # Compiling threefry sampling of multi-dimensional shapes (every model init)
-  # takes ~10 s per shape on XLA-CPU with partitionable threefry; the classic
-  # scheme compiles in under a second. Runs stay seeded and reproducible.
-  jax.config.update("jax_threefry_partitionable", False)
   if args.distributed:
     jax.distributed.initialize(coordinator_address=args.coordinator_address,
                                num_processes=args.num_processes,
                                process_id=args.process_id)
+  sys.path.insert(0, os.getcwd())  # for --algorithms module:builder
   config = config_from_args(args)
   os.makedirs(args.out, exist_ok=True)
   setups = {seed: simulate.prepare(config, seed) for seed in args.seeds}
-  counts = np.asarray(setups[args.seeds[0]].federation.counts)
   runs = []
   for name in args.algorithms:
     if _swept(args):
-      runs += _sweep(name, config, args, setups)
+      runs += _sweep(name, config, args, args.seeds, setups)
     else:
-      runs += [_single(name, config, args, seed, setups[seed]) for seed in args.seeds]
+      for seed in args.seeds:
+        runs += _sweep(name, config, args, [seed], setups)
   if jax.process_index() != 0:
     return 0
-  results = {"config": _config_dict(config, args), "class_counts": counts.tolist(),
-             "runs": runs}
-  with open(os.path.join(args.out, "results.json"), "w") as f:
-    json.dump(results, f, indent=1)
+  results = records.Results(_config_dict(config, args),
+                            setups[args.seeds[0]].federation.counts, tuple(runs))
+  results.save(os.path.join(args.out, "results.json"))
   written = plots.write_all(results, args.out)
   print(_table(runs))
   print(f"wrote {os.path.join(args.out, 'results.json')} and {', '.join(written)}")

@@ -49,6 +49,8 @@ def fedavg(params: types.Stacked, num_samples: chex.Array | None = None, *,
       count (the message names `num_samples`) or `mask` is all False.
 
   Example:
+    >>> import jax.numpy as jnp
+    >>> from pflax.aggregate import fedavg
     >>> params = {"w": jnp.array([[0.0, 2.0], [4.0, 6.0]])}
     >>> fedavg(params, jnp.array([3, 1]))["w"]
     Array([1., 3.], dtype=float32)

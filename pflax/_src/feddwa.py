@@ -18,7 +18,7 @@ from pflax._src import weights as weights_lib
 def mixing_weights(similarity: chex.Array, alpha: chex.Numeric,
                    temperature: chex.Numeric,
                    mask: chex.Array | None = None) -> chex.Array:
-  """Row-stochastic `(M, M)` FedDWA weights (Eq. 4-6 as settled in the SPEC).
+  """Row-stochastic `(M, M)` FedDWA weights (Eq. 4-6, settled in docs/methods.md#feddwa).
 
   `beta_ij = (1 - alpha) exp(s_ij / T) / sum_{k != i} exp(s_ik / T)` for peers
   `j != i`, and `alpha` on the diagonal. A client without peers (M = 1, or every

@@ -302,7 +302,7 @@ def fedrema(params: types.Stacked, num_samples: chex.Array | None,
   Notes:
     The CCP test uses the mean gap over clients; the paper's Eq. 8 writes a sum,
     which gives the same ratio when the set of clients is fixed. It is
-    `gap_bar >= delta * max_gap` (SPEC 2.5); the paper's Eq. 9 writes `>`.
+    `gap_bar >= delta * max_gap` (docs/methods.md#fedrema); the paper's Eq. 9 writes `>`.
     Gaps within float32 rounding are 0 (see `mds`), so a round of identical
     soft logits has gap 0 and cannot keep the CCP alive on rounding noise.
 

@@ -409,17 +409,17 @@ def fedsa(params: types.Stacked, num_samples: chex.Array | None = None, *,
       complex leaves.
 
   Notes:
-    The paper's equations were lost in its text; this follows the SPEC's
-    reconstruction (§2.6) and reproduces its worked examples. Clustering is at
-    most `M - 1` greedy steps of `O(M^2)` in a `lax.fori_loop`, so it jits
-    with static M. Ties are decided exactly: agreement counts are int32 and
-    average linkages are compared as ratios of integers (so 5/25 equals 4/20);
-    a linkage within a relative 2^-20 of `sim_threshold` counts as equal to it.
-    Steps 1-3 and the cluster means run on the leaf scaled per position by a
-    power of two (exact; CV and bins are scale invariant), so magnitudes up to
-    the dtype's maximum neither overflow nor fall back to FedAvg. The CV test
-    is strict: `cv_j == tau` is low dispersion. Validation runs on the host,
-    then one jitted implementation per structure and static arguments, so
+    The paper's equations were lost in its text; this follows the
+    reconstruction in docs/methods.md#fedsa and reproduces its worked examples.
+    Clustering is at most `M - 1` greedy steps of `O(M^2)` in a
+    `lax.fori_loop`, so it jits with static M. Ties are decided exactly: agreement
+    counts are int32 and average linkages are compared as ratios of integers (so
+    5/25 equals 4/20); a linkage within a relative 2^-20 of `sim_threshold` counts
+    as equal to it. Steps 1-3 and the cluster means run on the leaf scaled per
+    position by a power of two (exact; CV and bins are scale invariant), so
+    magnitudes up to the dtype's maximum neither overflow nor fall back to FedAvg.
+    The CV test is strict: `cv_j == tau` is low dispersion. Validation runs on the
+    host, then one jitted implementation per structure and static arguments, so
     eager calls after the first cost as much as jitted ones.
 
   References:

@@ -350,6 +350,20 @@ def heterogeneous_family(
   )
 
 
+def output_kernel(params: types.Tree) -> chex.Array:
+  """The output layer's kernel `(..., D, K)` of a pflax model's parameters.
+
+  Works on one model's parameters and on stacked ones (`(M, D, K)`).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> params = MLP(10).init(jax.random.key(0), jnp.zeros((1, 64)))['params']
+    >>> output_kernel(params).shape
+    (200, 10)
+  """
+  return params["classifier"]["output"]["kernel"]
+
+
 def feature_dim(model: nn.Module, input_shape: Sequence[int]) -> int:
   """Returns the feature width ``F`` of ``model.extract`` for one input.
 

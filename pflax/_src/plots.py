@@ -1,9 +1,10 @@
 """PNG plots of a `results.json`: accuracy curves and output-layer norm heatmaps."""
 
 import os
-from typing import Any
 
 import numpy as np
+
+from pflax._src import records
 
 
 def _pyplot():
@@ -13,23 +14,14 @@ def _pyplot():
   return plt
 
 
-def run_label(run: dict[str, Any]) -> str:
-  """The algorithm's name, with the swept hyperparameter's value if any."""
-  swept = ", ".join(f"{k}={v:g}" for k, v in run.get("hyperparameter", {}).items())
-  return f"{run['algorithm']} ({swept})" if swept else run["algorithm"]
-
-
-def accuracy_curves(results: dict[str, Any], path: str) -> None:
+def accuracy_curves(results: records.Results, path: str) -> None:
   """Personalized accuracy per round, mean over seeds, one line per algorithm."""
   plt = _pyplot()
   fig, ax = plt.subplots(figsize=(7, 4.5))
-  for name in dict.fromkeys(run_label(r) for r in results["runs"]):
-    runs = [r for r in results["runs"] if run_label(r) == name]
-    points = [[(h["round"], h["personalized_accuracy"]) for h in r["history"]
-               if "personalized_accuracy" in h] for r in runs]
-    rounds = [p[0] for p in points[0]]
-    acc = np.mean([[p[1] for p in pts] for pts in points], axis=0)
-    ax.plot(rounds, 100 * acc, label=name)
+  for name in dict.fromkeys(r.label for r in results.runs):
+    curves = [r.curve() for r in results.runs if r.label == name]
+    acc = np.mean([accs for _, accs in curves], axis=0)
+    ax.plot(curves[0][0], 100 * acc, label=name)
   ax.set_xlabel("round")
   ax.set_ylabel("personalized accuracy (%)")
   ax.grid(alpha=0.3)
@@ -39,13 +31,13 @@ def accuracy_curves(results: dict[str, Any], path: str) -> None:
   plt.close(fig)
 
 
-def norm_heatmaps(results: dict[str, Any], path: str) -> None:
-  """Data distribution beside each algorithm's output-layer norms (paper Fig. 3)."""
+def norm_heatmaps(results: records.Results, path: str) -> None:
+  """Data distribution beside each algorithm's output-layer norms (cwFedAvg Fig. 3)."""
   plt = _pyplot()
-  seed = results["runs"][0]["seed"]
-  runs = [r for r in results["runs"] if r["seed"] == seed]
-  panels = [("data: samples per class", np.asarray(results["class_counts"]))]
-  panels += [(run_label(r), np.asarray(r["output_norms"])) for r in runs]
+  seed = results.runs[0].seed
+  runs = [r for r in results.runs if r.seed == seed]
+  panels = [("data: samples per class", np.asarray(results.class_counts))]
+  panels += [(r.label, np.asarray(r.output_norms)) for r in runs]
   cols = min(3, len(panels))
   rows = -(-len(panels) // cols)
   fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 3.2 * rows), squeeze=False)
@@ -62,7 +54,7 @@ def norm_heatmaps(results: dict[str, Any], path: str) -> None:
   plt.close(fig)
 
 
-def write_all(results: dict[str, Any], out_dir: str) -> list[str]:
+def write_all(results: records.Results, out_dir: str) -> list[str]:
   """Writes every plot into `out_dir`; returns the file names."""
   names = {"accuracy.png": accuracy_curves, "output_norms.png": norm_heatmaps}
   for name, plot in names.items():

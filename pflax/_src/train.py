@@ -1,4 +1,4 @@
-"""Local training of all clients of a round, with the semantics of a per-client loop.
+"""Local training of one client, with the semantics of a per-client loop.
 
 Client i, in every local epoch, visits its own `n_i` samples in a fresh random
 order in `ceil(n_i / B)` mini-batches (the last one smaller), one optimizer step
@@ -6,33 +6,21 @@ per batch, the loss averaged over the real samples of the batch. Clients are
 padded to a common length L so that one compiled program serves them all: the
 padded samples are ordered last, so they never enter a real batch, and steps
 whose batch holds no real sample leave parameters and optimizer state untouched.
-
-How clients are mapped is a strategy, all strategies computing the same result:
-`"vmap"` (one program over the client axis; the path for accelerators),
-`"loop"` (a Python loop over clients of one jitted per-client program, spread
-over one worker thread per CPU core; fastest on XLA-CPU, where vmapped
-convolutions become slow grouped convolutions and vmapped matmuls lose each
-client's weights from the cache) and
-`"map"` (`lax.map` over chunks of vmapped clients, bounding memory; the chunk
-size can come from a memory budget, see `chunk_size_for_budget`).
+`make_trainer` maps the per-client step over the stacked clients of a round
+with one of `pflax.train.STRATEGIES` (see `map_clients`).
 """
 
-import concurrent.futures
 import functools
-import os
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
+from pflax._src import mapping
 from pflax._src import types
-
-STRATEGIES = ("auto", "vmap", "loop", "map")
-
 
 class Batch(NamedTuple):
   """One client's mini-batch: inputs, labels and a validity mask `(B,)`."""
@@ -45,24 +33,12 @@ LossFn = Callable[[types.Tree, Any, Batch, chex.PRNGKey], chex.Array]
 """`loss_fn(params, context, batch, key) -> scalar` for one client."""
 
 
-def default_strategy() -> str:
-  """"vmap" on accelerators, "loop" on CPU (measured faster there)."""
-  return "loop" if jax.default_backend() == "cpu" else "vmap"
-
-
-def resolve_strategy(strategy: str) -> str:
-  """Validates a strategy name and resolves "auto"."""
-  if strategy not in STRATEGIES:
-    raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
-  return default_strategy() if strategy == "auto" else strategy
-
-
-def num_steps(length: int, batch_size: int) -> int:
+def _num_steps(length: int, batch_size: int) -> int:
   """Steps per epoch for the longest client: `ceil(L / B)`."""
   return -(-length // batch_size)
 
 
-def epoch_order(key: chex.PRNGKey, valid: chex.Array) -> chex.Array:
+def _epoch_order(key: chex.PRNGKey, valid: chex.Array) -> chex.Array:
   """A uniformly random order of the valid samples, followed by the padding.
 
   Sample j's sort key is the first word of `fold_in(key, j)` (one threefry
@@ -84,9 +60,9 @@ def batch_schedule(key: chex.PRNGKey, valid: chex.Array, epochs: int,
   padded length.
   """
   length = valid.shape[0]
-  steps = num_steps(length, batch_size)
+  steps = _num_steps(length, batch_size)
   epoch_keys = jax.vmap(functools.partial(jax.random.fold_in, key))(jnp.arange(epochs))
-  orders = jax.vmap(epoch_order, in_axes=(0, None))(epoch_keys, valid)
+  orders = jax.vmap(_epoch_order, in_axes=(0, None))(epoch_keys, valid)
   pad = steps * batch_size - length
   orders = jnp.pad(orders, ((0, 0), (0, pad)))
   in_range = jnp.arange(steps * batch_size) < length
@@ -95,7 +71,7 @@ def batch_schedule(key: chex.PRNGKey, valid: chex.Array, epochs: int,
   return index, real
 
 
-def step_keys(key: chex.PRNGKey, epochs: int, steps: int) -> chex.Array:
+def _step_keys(key: chex.PRNGKey, epochs: int, steps: int) -> chex.Array:
   """Keys `(E * S,)` of the local steps: `fold_in(fold_in(key, e), s)`."""
   per_epoch = lambda e: jax.vmap(functools.partial(
       jax.random.fold_in, jax.random.fold_in(key, e)))(jnp.arange(steps))
@@ -118,7 +94,7 @@ def _primitives(jaxpr: Any) -> Iterator[str]:
           yield from _primitives(inner)
 
 
-def has_convolution(fn: Callable[..., Any], *args: Any) -> bool:
+def _has_convolution(fn: Callable[..., Any], *args: Any) -> bool:
   """Whether `fn(*args)` computes a convolution.
 
   `fn` is traced on the shapes and dtypes of `args` (arrays, tracers or
@@ -128,7 +104,7 @@ def has_convolution(fn: Callable[..., Any], *args: Any) -> bool:
 
   Example:
     >>> import jax.numpy as jnp
-    >>> has_convolution(lambda x: x @ x.T, jnp.ones((2, 3)))
+    >>> _has_convolution(lambda x: x @ x.T, jnp.ones((2, 3)))
     False
   """
   shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)),
@@ -168,7 +144,7 @@ def train_client(loss_fn: LossFn, optimizer: optax.GradientTransformation,
   """
   order_key, step_key = jax.random.split(key)
   index, real = batch_schedule(order_key, valid, epochs, batch_size)
-  keys = step_keys(step_key, epochs, num_steps(valid.shape[0], batch_size))
+  keys = _step_keys(step_key, epochs, _num_steps(valid.shape[0], batch_size))
   grad_fn = jax.value_and_grad(loss_fn)
 
   def step(carry, inputs):
@@ -183,242 +159,12 @@ def train_client(loss_fn: LossFn, optimizer: optax.GradientTransformation,
         jnp.where(active, loss, 0.0), active)
 
   first_batch = Batch(x[index[0]], y[index[0]], real[0])
-  convolutional = lambda: has_convolution(grad_fn, params, context, first_batch, keys[0])
+  convolutional = lambda: _has_convolution(grad_fn, params, context, first_batch, keys[0])
   (params, opt_state), (losses, active) = jax.lax.scan(
       step, (params, opt_state), (index, real, keys),
       unroll=_scan_unroll(unroll, index.shape[0], convolutional))
   mean_loss = jnp.sum(losses) / jnp.maximum(jnp.sum(active), 1)
   return ClientResult(params, opt_state, mean_loss)
-
-
-def _leading(args: Any) -> int:
-  return jax.tree.leaves(args)[0].shape[0]
-
-
-def _map_chunks(batched: Callable[..., Any], chunk_size: int, *args: Any) -> Any:
-  """`lax.map` over chunks of `chunk_size` clients of a vmapped function.
-
-  The `M // C` full chunks run in a `fori_loop` and the `M mod C` remaining
-  clients in one vmap after it; every chunk is read with `dynamic_slice` and
-  written in place into the stacked outputs. (`lax.map(..., batch_size=C)`
-  instead copies the leading `C * (M // C)` clients of every input and
-  concatenates the last chunk's outputs onto the others': two more stacked
-  copies when C does not divide M.)
-  """
-  m = _leading(args)
-  c = min(chunk_size, m)
-  full = m // c * c
-  take = lambda start, size: jax.tree.map(
-      lambda a: jax.lax.dynamic_slice_in_dim(a, start, size), args)
-  put = lambda out, part, start: jax.tree.map(
-      lambda o, p: jax.lax.dynamic_update_slice_in_dim(o, p, start, 0), out, part)
-  out = jax.tree.map(lambda s: jnp.zeros((m, *s.shape[1:]), s.dtype),
-                     jax.eval_shape(batched, *take(0, c)))
-  out = jax.lax.fori_loop(0, m // c, lambda i, o: put(o, batched(*take(i * c, c)), i * c),
-                          out)
-  if full < m:
-    out = put(out, batched(*take(full, m - full)), full)
-  return out
-
-
-def default_threads() -> int:
-  """Worker threads of the "loop" strategy: the CPU cores this process may use."""
-  try:
-    return len(os.sched_getaffinity(0))
-  except AttributeError:  # not on Linux
-    return os.cpu_count() or 1
-
-
-def _check_threads(threads: int | None) -> None:
-  if threads is not None and threads < 1:
-    raise ValueError(f"threads must be >= 1 or None, got {threads}.")
-
-
-def _loop_clients(fn: Callable[..., Any], threads: int | None) -> Callable[..., Any]:
-  """A Python loop of one jitted per-client program, over worker threads.
-
-  Worker threads take the clients in turn, each running one client's program
-  at a time; the calling thread writes every result in place into donated
-  stacked outputs as the results arrive, in client order. A jitted call
-  releases the GIL while it runs, so the workers train at the same time: on
-  XLA-CPU one client's small matmuls and convolutions leave most cores idle,
-  and 2 threads on 2 cores trained the MLP 1.5-1.9x and the CNN 1.3-1.5x
-  faster than one. Every client runs the same program whatever the thread,
-  so results do not depend on the number of threads.
-  """
-
-  @functools.partial(jax.jit, static_argnums=0)
-  def zeros(num_clients, *args):
-    one_client = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), args)
-    return jax.tree.map(lambda s: jnp.zeros((num_clients, *s.shape), s.dtype),
-                        jax.eval_shape(fn, *one_client))
-
-  @jax.jit
-  def one(i, *args):
-    return fn(*jax.tree.map(lambda a: a[i], args))
-
-  # Writing each result in place into donated stacked outputs saves a pass
-  # over fresh memory against stacking (MLP, M = 100: 420 -> 370 ms of CPU
-  # per round) or joining per-thread outputs (M = 1000: 51-62k -> 70k
-  # samples/s).
-  @functools.partial(jax.jit, donate_argnums=0)
-  def put(out, result, i):
-    return jax.tree.map(lambda o, r: jax.lax.dynamic_update_index_in_dim(o, r, i, 0),
-                        out, result)
-
-  compiled = set()
-
-  def loop(*args):
-    m = _leading(args)
-    workers = max(1, min(threads or default_threads(), m))
-    out = zeros(m, *args)
-    # Each worker waits for its client's program: `workers` programs run at once.
-    wait = jax.block_until_ready if workers > 1 else lambda x: x
-    train = lambda i: wait(one(np.int32(i), *args))
-    signature = (jax.tree.structure(args),
-                 tuple((a.shape, a.dtype) for a in jax.tree.leaves(args)))
-    first = 0
-    if workers > 1 and signature not in compiled:  # compile once, not per worker
-      out, first = put(out, train(0), np.int32(0)), 1
-      compiled.add(signature)
-    for i, result in enumerate(_in_threads(train, range(first, m), workers), first):
-      out = put(out, result, np.int32(i))
-    return out
-
-  return loop
-
-
-def _in_threads(fn: Callable[[int], Any], items: range, workers: int) -> Iterator[Any]:
-  """`map(fn, items)` on `workers` threads (1: the calling thread), in order."""
-  if workers == 1:
-    yield from map(fn, items)
-    return
-  with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-    yield from pool.map(fn, items)
-
-
-def map_clients(fn: Callable[..., Any], strategy: str = "auto",
-                chunk_size: int | None = None,
-                threads: int | None = None) -> Callable[..., Any]:
-  """Turns a per-client function into one over stacked arguments.
-
-  Args:
-    fn: a pure function of unstacked per-client arguments.
-    strategy: "vmap", "loop", "map" or "auto" (see module docstring).
-    chunk_size: clients per vmapped chunk for "map" (None: one client at a
-      time); it need not divide the number of clients.
-    threads: worker threads of the "loop" strategy (None: `default_threads()`,
-      the CPU cores available; 1: a plain loop).
-
-  Returns:
-    A function of the same arguments with a leading client axis on every leaf,
-    returning stacked outputs. Each strategy compiles once per input shape.
-  """
-  strategy = resolve_strategy(strategy)
-  _check_threads(threads)
-  if strategy == "vmap":
-    return jax.jit(jax.vmap(fn))
-  if strategy == "map":
-    # Jitted, the vmapped chunk is traced once for its output shapes and the loop.
-    return jax.jit(functools.partial(_map_chunks, jax.jit(jax.vmap(fn)),
-                                     chunk_size or 1))
-  return _loop_clients(fn, threads)
-
-
-def bytes_per_client(fn: Callable[..., Any], *args: Any) -> int:
-  """Bytes of memory one client of `fn` needs, from XLA's memory analysis.
-
-  `fn` is compiled for one client's shapes (the leading axis of `args`
-  dropped; nothing runs) and the estimate is
-
-  .. math::
-    b = \\text{arguments} + \\text{outputs} + \\text{temporaries}
-        - \\text{aliased},
-
-  what one client holds while it trains: its copy of the inputs, its outputs
-  and the temporaries of the step (gradients, optimizer update, activations of
-  one batch). It is conservative: for the MNIST CNN (SGD, 20 samples, batch
-  10) it gives 8.4 MB, and the "map" program's temporaries for chunks of 500
-  clients came to 5.8 MB per client (a chunk's inputs are read in place).
-
-  Args:
-    fn: a pure function of unstacked per-client arguments.
-    *args: its arguments stacked over clients (arrays or `ShapeDtypeStruct`s).
-
-  Returns:
-    The estimate in bytes.
-  """
-  one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), args)
-  stats = jax.jit(fn).lower(*one).compile().memory_analysis()
-  return int(stats.argument_size_in_bytes + stats.output_size_in_bytes
-             + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
-
-
-def chunk_size_for_budget(bytes_per_client: int, num_clients: int,
-                          memory_budget: int) -> int:
-  """Clients per chunk so that the clients training at once fit a budget.
-
-  With `b` bytes per client (see `bytes_per_client`), M clients and a budget
-  `W`, at most `C_max = floor(W / b)` clients train at once; the round then
-  needs `n = ceil(M / C_max)` chunks, and the smallest chunk size giving `n`
-  chunks is returned:
-
-  .. math::
-    C = \\lceil M / n \\rceil, \\quad n = \\lceil M / \\lfloor W / b \\rfloor \\rceil.
-
-  The budget covers the chunk's working memory, not the stacked inputs and
-  outputs of all M clients, which the round holds whatever the chunk size.
-
-  Example:
-    >>> chunk_size_for_budget(100, num_clients=10, memory_budget=450)
-    4
-    >>> chunk_size_for_budget(100, num_clients=10, memory_budget=10**6)
-    10
-
-  Args:
-    bytes_per_client: memory one training client needs (> 0).
-    num_clients: M (> 0).
-    memory_budget: bytes W for the clients training at once.
-
-  Returns:
-    The chunk size C, with `1 <= C <= M`.
-
-  Raises:
-    ValueError: if the budget cannot hold one client.
-  """
-  if bytes_per_client < 1 or num_clients < 1:
-    raise ValueError("bytes_per_client and num_clients must be >= 1, got "
-                     f"{bytes_per_client}, {num_clients}.")
-  most = memory_budget // bytes_per_client
-  if most < 1:
-    raise ValueError(f"memory_budget of {memory_budget} bytes cannot hold one client, "
-                     f"which needs {bytes_per_client} bytes.")
-  chunks = -(-num_clients // most)
-  return -(-num_clients // chunks)
-
-
-def _within_budget(fn: Callable[..., Any], strategy: str, memory_budget: int,
-                   threads: int | None) -> Callable[..., Any]:
-  """`map_clients` whose chunk size comes from `memory_budget` per input shapes.
-
-  "vmap" is kept when all M clients fit the budget at once; "loop" (holding
-  one client per worker thread at a time) is returned as is.
-  """
-  if strategy == "loop":
-    return map_clients(fn, "loop", threads=threads)
-  compiled = {}
-
-  def run(*args):
-    leaves, treedef = jax.tree.flatten(args)
-    signature = (treedef, tuple((a.shape, a.dtype) for a in leaves))
-    if signature not in compiled:
-      m = _leading(args)
-      chunk = chunk_size_for_budget(bytes_per_client(fn, *args), m, memory_budget)
-      chosen = "vmap" if strategy == "vmap" and chunk == m else "map"
-      compiled[signature] = map_clients(fn, chosen, chunk)
-    return compiled[signature](*args)
-
-  return run
 
 
 def make_trainer(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
@@ -437,7 +183,7 @@ def make_trainer(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
       CPU), "vmap", "loop" or "map".
     unroll: `lax.scan` unroll factor over the E * S local steps; True
       unrolls all of them. None (default) unrolls all of them on XLA-CPU when
-      E * S <= 64 and the step computes a convolution (`has_convolution`),
+      E * S <= 64 and the step computes a convolution (`_has_convolution`),
       and otherwise keeps a rolled loop. XLA-CPU canonicalises convolutions
       for its fast kernels only outside loops, so with any loop left in the
       schedule (even 8-fold unrolled) the backward convolutions of the FedAvg
@@ -464,15 +210,16 @@ def make_trainer(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
   """
   if epochs < 1 or batch_size < 1:
     raise ValueError(f"epochs and batch_size must be >= 1, got {epochs}, {batch_size}.")
-  _check_threads(threads)
+  mapping.check_threads(threads)
   one = functools.partial(train_client, loss_fn, optimizer, epochs=epochs,
                           batch_size=batch_size, unroll=unroll)
   if memory_budget is None:
-    return map_clients(one, strategy, chunk_size, threads)
+    return mapping.map_clients(one, strategy, chunk_size, threads)
   if strategy not in ("auto", "map") or chunk_size is not None:
     raise ValueError("memory_budget needs strategy 'auto' or 'map' and no chunk_size, "
                      f"got {strategy!r} and {chunk_size}.")
-  return _within_budget(one, resolve_strategy(strategy), memory_budget, threads)
+  return mapping.within_budget(one, mapping.resolve_strategy(strategy), memory_budget,
+                               threads)
 
 
 def init_opt_state(optimizer: optax.GradientTransformation,
@@ -491,7 +238,7 @@ def evaluate_client(apply_fn: Callable[[types.Tree, chex.Array], chex.Array],
   """
   length = x.shape[0]
   batch_size = max(1, min(batch_size, length))
-  steps = num_steps(length, batch_size)
+  steps = _num_steps(length, batch_size)
   pad = steps * batch_size - length
   xs = jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)).reshape(
       (steps, batch_size) + x.shape[1:])

@@ -408,3 +408,35 @@ def map_selected(on_selected: Callable[[chex.Array], chex.Array],
 def broadcast_leaf(row: chex.Array, num_clients: int) -> chex.Array:
   """`num_clients` copies of one leaf along a new leading axis."""
   return jnp.broadcast_to(row, (num_clients,) + row.shape)
+
+
+def _prune(tree: Any) -> Any:
+  """A nested dict without its None leaves and emptied branches (None if empty)."""
+  if not isinstance(tree, dict):
+    return tree
+  kept = {k: v for k, v in ((k, _prune(v)) for k, v in tree.items()) if v is not None}
+  return kept or None
+
+
+def selected(tree: Any, where: types.Selector) -> Any:
+  """The leaves `where` selects, as a nested dict of those leaves only.
+
+  Unlike `partition`'s halves, the result does not depend on the unselected
+  layers, so models of different architectures that share the selected
+  layers give trees of one structure.
+  """
+  return _prune(partition(tree, where)[0])
+
+
+def with_selected(tree: Any, where: types.Selector, replacement: Any) -> Any:
+  """`tree` with the leaves `where` selects taken from `replacement` (`selected`)."""
+  flags = iter(selection(tree, where))
+
+  def pick(path, leaf):
+    if not next(flags):
+      return leaf
+    node = replacement
+    for name in path_names(path):
+      node = node[name]
+    return node
+  return jax.tree_util.tree_map_with_path(pick, tree)

@@ -26,7 +26,7 @@ def weight_dtype(params: types.Stacked) -> jnp.dtype:
   """The dtype of weights for `params`: float32, or its leaves' dtype if wider.
 
   float64 leaves (under `jax_enable_x64`) get float64 weights, so the weights
-  are as precise as the parameters they mix (SPEC section 1).
+  are as precise as the parameters they mix (docs/methods.md, common rules).
   """
   return jnp.promote_types(jnp.result_type(*jax.tree.leaves(params)), jnp.float32)
 

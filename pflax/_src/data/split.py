@@ -40,6 +40,8 @@ def train_test_split(
     indices are disjoint and together equal `partition.indices`.
 
   Example:
+    >>> import numpy as np
+    >>> from pflax.data import pathological, train_test_split
     >>> labels = np.repeat(np.arange(10), 100)
     >>> train, test = train_test_split(pathological(labels, 10, 1), labels)
     >>> int(train.counts.sum()), int(test.counts.sum())

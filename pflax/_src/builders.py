@@ -1,0 +1,447 @@
+"""The eight algorithms of pflax-run as builders with keyword hyperparameters.
+
+Each builder takes the Flax model, the clients' optax optimizer and the
+method's own hyperparameters (defaults: the papers', see docs/methods.md) and
+returns an `Algorithm` whose state is a NamedTuple of its own. Any float
+keyword can be a traced value, so a sweep vmaps over it.
+"""
+
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from pflax._src import algorithm as alg
+from pflax._src import cwfedavg as cw_lib
+from pflax._src import fedavg as fedavg_lib
+from pflax._src import feddwa as dwa_lib
+from pflax._src import fedrema as rema_lib
+from pflax._src import fedsa as fedsa_lib
+from pflax._src import losses
+from pflax._src import models
+from pflax._src import tree as tree_lib
+from pflax._src import types
+from pflax._src import weights as weights_lib
+from pflax._src.data import augment as augment_lib
+
+OUTPUT_LAYER = tree_lib.under("classifier", "output")
+"""The output layer (kernel and bias) of pflax's models."""
+CLASSIFIER = tree_lib.under("classifier")
+"""Every Dense layer after the feature extractor."""
+
+
+def _first(stacked: types.Stacked) -> types.Tree:
+  """Client 0's tree: the common initial model."""
+  return jax.tree.map(lambda x: x[0], stacked)
+
+
+def _sample_counts(class_counts: chex.Array) -> chex.Array:
+  """`(M,)` training-set sizes `n_i = sum_j n_ij`."""
+  return jnp.sum(class_counts, axis=-1)
+
+
+class ClientModels(NamedTuple):
+  """Each client's own model (`local_training`)."""
+  params: types.Stacked
+
+
+def local_training(model: nn.Module, optimizer: optax.GradientTransformation
+                   ) -> alg.Algorithm:
+  """Local training only: each client keeps its own model, no aggregation."""
+  def server_update(state, trained, mask, key):
+    del key
+    return ClientModels(weights_lib.keep_masked(trained, state.params, mask))
+
+  return alg.Algorithm(
+      init=lambda params, class_counts, key: ClientModels(params),
+      client_models=lambda state: state.params,
+      loss=alg.cross_entropy_loss(model), optimizer=optimizer,
+      server_update=server_update,
+      evaluate=lambda state: {"personalized": state.params})
+
+
+class GlobalModel(NamedTuple):
+  """One global model and the clients' sample counts (FedAvg, FedProx, FedSA)."""
+  model: types.Tree
+  num_samples: chex.Array
+
+
+def _broadcast_global(state: GlobalModel) -> types.Stacked:
+  return tree_lib.broadcast(state.model, state.num_samples.shape[0])
+
+
+def _global_algorithm(optimizer: optax.GradientTransformation, loss: Callable,
+                      aggregate: Callable[..., types.Tree],
+                      client_context: Callable = alg.no_context) -> alg.Algorithm:
+  """Every client trains the global model; the server aggregates the uploads."""
+  def server_update(state, trained, mask, key):
+    del key
+    return state._replace(model=aggregate(trained, state.num_samples, mask=mask))
+
+  def evaluate(state):
+    held = _broadcast_global(state)
+    return {"personalized": held, "global": held}
+
+  return alg.Algorithm(
+      init=lambda params, class_counts, key: GlobalModel(
+          _first(params), _sample_counts(class_counts)),
+      client_models=_broadcast_global, loss=loss, optimizer=optimizer,
+      server_update=server_update, evaluate=evaluate, client_context=client_context)
+
+
+def federated_averaging(model: nn.Module, optimizer: optax.GradientTransformation
+                        ) -> alg.Algorithm:
+  """FedAvg (McMahan et al. 2017): the sample-weighted mean of the trained models.
+
+  Example:
+    >>> import optax
+    >>> from pflax import algorithms, models
+    >>> import jax.numpy as jnp
+    >>> fedavg = algorithms.federated_averaging(models.MLP(10), optax.sgd(0.05))
+    >>> state = algorithms.GlobalModel({"w": jnp.ones(3)}, jnp.array([1, 2]))
+    >>> fedavg.client_models(state)["w"].shape, sorted(fedavg.evaluate(state))
+    ((2, 3), ['global', 'personalized'])
+  """
+  return _global_algorithm(optimizer, alg.cross_entropy_loss(model),
+                           fedavg_lib.fedavg)
+
+
+def federated_proximal(model: nn.Module, optimizer: optax.GradientTransformation, *,
+                       mu: float = 0.001) -> alg.Algorithm:
+  """FedProx (Li et al. 2020): FedAvg with `mu/2 ||w - w_global||^2` in local training.
+
+  Args:
+    model: the clients' Flax model.
+    optimizer: the clients' optimizer.
+    mu: weight of the proximal term (>= 0), 0.001 as run in the cwFedAvg
+      paper's Table 5.
+  """
+  alg.check_range("mu", mu, 0.0)
+  ce = alg.cross_entropy_loss(model)
+
+  def loss(params, anchor, batch, key):
+    return ce(params, None, batch, key) + mu * losses.proximal(params, anchor)
+
+  return _global_algorithm(optimizer, loss, fedavg_lib.fedavg,
+                           client_context=_broadcast_global)
+
+
+def parameter_skew_averaging(model: nn.Module, optimizer: optax.GradientTransformation,
+                             *, cv_threshold: float = 0.2, sim_threshold: float = 0.2,
+                             num_mic: int = 4, num_mac: int = 4) -> alg.Algorithm:
+  """FedSA: FedAvg's client training, parameter-skew-aware aggregation.
+
+  Args:
+    model: the clients' Flax model.
+    optimizer: the clients' optimizer.
+    cv_threshold: coefficient of variation above which a parameter is
+      high-dispersion (> 0).
+    sim_threshold: category-agreement linkage above which Macro-Classes merge
+      (in [-1, 1]).
+    num_mic: Micro-Classes per parameter (>= 2).
+    num_mac: Macro-Classes of clients (>= 1).
+  """
+  alg.check_range("cv_threshold", cv_threshold, 0.0)
+  alg.check_range("sim_threshold", sim_threshold, -1.0, 1.0)
+  aggregate = functools.partial(fedsa_lib.fedsa, cv_threshold=cv_threshold,
+                                sim_threshold=sim_threshold, num_mic=num_mic,
+                                num_mac=num_mac)
+  return _global_algorithm(optimizer, alg.cross_entropy_loss(model), aggregate)
+
+
+class ClassModels(NamedTuple):
+  """cwFedAvg's server state.
+
+  Attributes:
+    class_models: `(K, ...)` class models of the class-wise layers (the other
+      leaves None).
+    rest: the FedAvg global model of the other layers (class-wise leaves None).
+    class_dist: `(M, K)` class distributions that mix each client's model:
+      estimated from its last upload (initially 1/K) or empirical.
+    class_counts: `(M, K)` training class counts (the WDR's `p`, and `n_i`).
+  """
+  class_models: types.Tree
+  rest: types.Tree
+  class_dist: chex.Array
+  class_counts: chex.Array
+
+
+def class_wise_averaging(model: nn.Module, optimizer: optax.GradientTransformation, *,
+                         wdr_coef: float = 5.0, layers: types.Selector = OUTPUT_LAYER,
+                         class_dist: str = "estimated") -> alg.Algorithm:
+  """cwFedAvg with the Weight Distribution Regularizer (Lee & Choi).
+
+  Clients train with `CE + wdr_coef * WDR(W_out, p)` (Eq. 12); the server
+  keeps one model per class for the class-wise layers (Eq. 6) and the FedAvg
+  model of the others, and gives client i the mix `sum_j p~_ij w_j` (Eq. 7).
+
+  Args:
+    model: the clients' Flax model.
+    optimizer: the clients' optimizer.
+    wdr_coef: weight of the WDR (>= 0).
+    layers: selector of the class-wise layers (default the output layer, the
+      paper's cwFedAvg (Output); `None` for every layer).
+    class_dist: "estimated" (`p~` from the uploaded output kernel, Eq. 11,
+      initially 1/K) or "empirical" (the clients' class counts).
+  """
+  alg.check_range("wdr_coef", wdr_coef, 0.0)
+  if class_dist not in ("estimated", "empirical"):
+    raise ValueError(
+        f"class_dist must be 'estimated' or 'empirical', got {class_dist!r}.")
+  ce = alg.cross_entropy_loss(model)
+
+  def loss(params, counts, batch, key):
+    return (ce(params, None, batch, key)
+            + wdr_coef * losses.wdr(models.output_kernel(params), counts))
+
+  def init(params, class_counts, key):
+    del key
+    m, k = class_counts.shape
+    dist = (class_counts.astype(jnp.float32) if class_dist == "empirical"
+            else jnp.full((m, k), 1.0 / k))
+    selected, rest = tree_lib.partition(_first(params), layers)
+    return ClassModels(jax.tree.map(lambda x: tree_lib.broadcast(x, k), selected),
+                       rest, dist, class_counts)
+
+  def client_models(state):
+    m = state.class_counts.shape[0]
+    personal = cw_lib.personalize(state.class_models, state.class_dist)
+    return tree_lib.combine(personal, tree_lib.broadcast(state.rest, m))
+
+  def server_update(state, trained, mask, key):
+    del key
+    dist = state.class_dist
+    if class_dist == "estimated":
+      estimate = cw_lib.estimate_class_dist(models.output_kernel(trained))
+      dist = jnp.where(mask[:, None], estimate, dist)
+    n = _sample_counts(state.class_counts)
+    selected, rest = tree_lib.partition(trained, layers)
+    new = state._replace(class_dist=dist,
+                         class_models=cw_lib.class_models(selected, dist, n, mask=mask))
+    if jax.tree.leaves(rest):
+      new = new._replace(rest=fedavg_lib.fedavg(rest, n, mask=mask))
+    return new
+
+  return alg.Algorithm(
+      init=init, client_models=client_models, loss=loss, optimizer=optimizer,
+      server_update=server_update,
+      evaluate=lambda state: {"personalized": client_models(state)},
+      client_context=lambda state: state.class_counts.astype(jnp.float32))
+
+
+class SharedHead(NamedTuple):
+  """FedClassAvg's state: each client's own model and the averaged classifier.
+
+  Attributes:
+    params: `(M, ...)` each client's locally trained model (own classifier).
+    head: the sample-weighted mean of the clients' classifiers (Eq. 3), a tree
+      of the classifier's leaves only (`pflax.tree.selected`).
+    num_samples: `(M,)` training-set sizes.
+  """
+  params: types.Stacked
+  head: types.Tree
+  num_samples: chex.Array
+
+
+def classifier_averaging(model: nn.Module, optimizer: optax.GradientTransformation, *,
+                         rho: float = 0.1, supcon_temperature: float = 100.0,
+                         supcon_base_temperature: float = 0.07,
+                         warmup_epochs: int = 1,
+                         classifier: types.Selector = OUTPUT_LAYER) -> alg.Algorithm:
+  """FedClassAvg (Jang et al.): averaged classifier, SupCon on two views, proximal head.
+
+  Local objective (Eq. 4): `CE(y, f(x')) + SupCon(F(x'), F(x'')) +
+  rho/2 sum_tensors mean((C_k - C)^2)`, with C the averaged classifier and x',
+  x'' two random translations of the batch. A client's personalized model is
+  its own feature extractor with its own classifier (Algorithm 1's output);
+  `global` is the averaged classifier on the client's own features.
+
+  Args:
+    model: the clients' Flax model (with a `representation` method).
+    optimizer: the clients' optimizer (the paper: Adam, betas (0.5, 0.999)).
+    rho: weight of the proximal term (>= 0).
+    supcon_temperature, supcon_base_temperature: the SupCon loss's (> 0).
+    warmup_epochs: local epochs of every client before round 1 (0: none).
+    classifier: selector of the averaged classifier (default the output layer).
+
+  Notes:
+    [settled: authors' code] SupCon acts on the last hidden layer's linear
+    output before the classifier's ReLU (`model.representation`, the authors'
+    `fcin`); the proximal term is a mean per tensor.
+  """
+  alg.check_range("rho", rho, 0.0)
+  alg.check_range("supcon_temperature", supcon_temperature, 0.0, open_low=True)
+  alg.check_range("supcon_base_temperature", supcon_base_temperature, 0.0,
+                  open_low=True)
+  if warmup_epochs < 0:
+    raise ValueError(f"warmup_epochs must be >= 0, got {warmup_epochs}.")
+
+  def loss(params, global_head, batch, key):
+    k1, k2 = jax.random.split(key)
+    view1, view2 = augment_lib.translate(k1, batch.x), augment_lib.translate(k2, batch.x)
+    represent = lambda v: model.apply({"params": params}, v, method="representation")
+    feats = jnp.concatenate([represent(view1), represent(view2)])
+    labels = jnp.concatenate([batch.y, batch.y])
+    valid = jnp.concatenate([batch.mask, batch.mask])
+    contrast = losses.supcon(feats, labels, supcon_temperature,
+                             supcon_base_temperature, mask=valid)
+    own_head = tree_lib.selected(params, classifier)
+    prox = losses.proximal(own_head, global_head, reduce="mean")
+    return (losses.cross_entropy(alg.logits(model, params, view1), batch.y, batch.mask)
+            + contrast + rho * prox)
+
+  def global_heads(state):
+    return tree_lib.broadcast(state.head, state.num_samples.shape[0])
+
+  def client_models(state):
+    return tree_lib.with_selected(state.params, classifier, global_heads(state))
+
+  def server_update(state, trained, mask, key):
+    del key
+    heads = tree_lib.selected(trained, classifier)
+    return state._replace(
+        params=weights_lib.keep_masked(trained, state.params, mask),
+        head=fedavg_lib.fedavg(heads, state.num_samples, mask=mask))
+
+  def init(params, class_counts, key):
+    del key
+    return SharedHead(params, tree_lib.selected(_first(params), classifier),
+                      _sample_counts(class_counts))
+
+  warmup = (alg.Warmup(warmup_epochs, lambda state, trained, mask:
+                       state._replace(params=trained)) if warmup_epochs else None)
+  return alg.Algorithm(
+      init=init, client_models=client_models, loss=loss, optimizer=optimizer,
+      server_update=server_update,
+      evaluate=lambda state: {"personalized": state.params,
+                              "global": client_models(state)},
+      client_context=global_heads,
+      warmup=warmup,
+      # Unrolled, the two-view SupCon step compiled in 158 s instead of 13 s
+      # and ran 7x slower (MLP on digits, 7 steps): keep the loop rolled.
+      unroll=1)
+
+
+class ExclusiveModels(NamedTuple):
+  """FedDWA's state: each client's exclusive model `w` and personalized model `v`."""
+  exclusive: types.Stacked
+  personal: types.Stacked
+
+
+def dynamic_weight_averaging(model: nn.Module, optimizer: optax.GradientTransformation,
+                             *, alpha: float = 0.2, lam: float = 1.0,
+                             temperature: float = 1.0) -> alg.Algorithm:
+  """FedDWA: exclusive models by similarity weights, plus a personalized model.
+
+  Each client trains the pair `{"w": exclusive, "v": personalized}` on the same
+  batches: `w` with cross-entropy, `v` with cross-entropy plus
+  `lam/2 ||v - w_g||^2` anchored at the received exclusive model (Alg. 1), each
+  with its own optimizer state. The server mixes the updates of `w` by
+  cosine-similarity softmax weights (Eqs. 8-10). Personalized accuracy is
+  reported on `v`, the exclusive models' own as `exclusive`.
+
+  Args:
+    model: the clients' Flax model.
+    optimizer: the optimizer of each of the two models.
+    alpha: the weight of a client's own update, in [0, 1].
+    lam: the personalized model's proximal weight (>= 0).
+    temperature: the softmax temperature (> 0).
+  """
+  alg.check_range("alpha", alpha, 0.0, 1.0)
+  alg.check_range("lam", lam, 0.0)
+  alg.check_range("temperature", temperature, 0.0, open_low=True)
+  ce = alg.cross_entropy_loss(model)
+
+  def loss(pair, received, batch, key):
+    return (ce(pair["w"], None, batch, key) + ce(pair["v"], None, batch, key)
+            + lam * losses.proximal(pair["v"], received))
+
+  def server_update(state, trained, mask, key):
+    del key
+    exclusive = dwa_lib.feddwa(trained["w"], state.exclusive, alpha=alpha,
+                               temperature=temperature, mask=mask)
+    return ExclusiveModels(
+        exclusive, weights_lib.keep_masked(trained["v"], state.personal, mask))
+
+  return alg.Algorithm(
+      init=lambda params, class_counts, key: ExclusiveModels(params, params),
+      client_models=lambda state: {"w": state.exclusive, "v": state.personal},
+      loss=loss, optimizer=alg.per_model(optimizer, ("w", "v")),
+      server_update=server_update,
+      evaluate=lambda state: {"personalized": state.personal,
+                              "exclusive": state.exclusive},
+      client_context=lambda state: state.exclusive)
+
+
+class MatchedClassifiers(NamedTuple):
+  """FedReMa's state: each client's model, sample counts, the history map."""
+  params: types.Stacked
+  num_samples: chex.Array
+  history: rema_lib.FedReMaState
+
+
+def _classifier_width(classifier: types.Stacked) -> int:
+  """The classifier's input width F: the first Dense layer's kernel rows."""
+  first = classifier.get("hidden_0", classifier["output"])
+  return first["kernel"].shape[-2]
+
+
+def relevant_client_matching(model: nn.Module, optimizer: optax.GradientTransformation,
+                             *, delta: float = 0.5, temperature: float = 0.5
+                             ) -> alg.Algorithm:
+  """FedReMa (Liang et al.): FedAvg feature extractor, relevance-matched classifiers.
+
+  The classifier is every Dense layer after the feature extractor; soft logits
+  (temperature `temperature`) come from one uniform random probe per round;
+  each client's classifier is the mean of its most relevant peers' (maximum
+  difference segmentation) during the critical co-learning period, then by the
+  history map (Eqs. 3-9). The clients' optimizer state is kept across rounds
+  (the paper's SGD with momentum).
+
+  Args:
+    model: the clients' Flax model (with a `head()` classifier module).
+    optimizer: the clients' optimizer.
+    delta: the CCP threshold on the maximum gap, in [0, 1].
+    temperature: the soft-logit temperature (> 0).
+  """
+  alg.check_range("delta", delta, 0.0, 1.0)
+  alg.check_range("temperature", temperature, 0.0, open_low=True)
+  head = model.head()
+  apply_head = lambda params, h: head.apply({"params": params}, h)
+
+  def server_update(state, trained, mask, key):
+    classifiers = trained["classifier"]
+    logits = rema_lib.probe_logits(apply_head, classifiers, key,
+                                   _classifier_width(classifiers))
+    soft = rema_lib.soft_logits(logits, temperature)
+    params, history = rema_lib.fedrema(trained, state.num_samples, soft, state.history,
+                                       where=CLASSIFIER, delta=delta, mask=mask)
+    return state._replace(params=params, history=history)
+
+  return alg.Algorithm(
+      init=lambda params, class_counts, key: MatchedClassifiers(
+          params, _sample_counts(class_counts),
+          rema_lib.fedrema_init(class_counts.shape[0])),
+      client_models=lambda state: state.params,
+      loss=alg.cross_entropy_loss(model), optimizer=optimizer,
+      server_update=server_update,
+      evaluate=lambda state: {"personalized": state.params},
+      keep_opt_state=True)
+
+
+BUILDERS: dict[str, Callable[..., alg.Algorithm]] = {
+    "local": local_training,
+    "fedavg": federated_averaging,
+    "fedprox": federated_proximal,
+    "cwfedavg": class_wise_averaging,
+    "fedclassavg": classifier_averaging,
+    "fedsa": parameter_skew_averaging,
+    "feddwa": dynamic_weight_averaging,
+    "fedrema": relevant_client_matching,
+}
+"""The builders of `pflax-run`'s algorithms by command-line name."""

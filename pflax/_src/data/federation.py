@@ -1,0 +1,96 @@
+"""A federation: every client's training and test data as stacked host arrays."""
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from pflax._src.data import clients as clients_lib
+from pflax._src.data import partition as partition_lib
+from pflax._src.data import split as split_lib
+
+
+class Federation(NamedTuple):
+  """Clients' data as stacked arrays (see `stack_clients`).
+
+  Attributes:
+    x, y, valid: training inputs `(M, L, ...)`, labels `(M, L)`, mask `(M, L)`.
+    test_x, test_y, test_valid: the clients' test splits.
+    counts: `(M, K)` training class counts `n_ij`.
+    num_samples: `(M,)` training-set sizes `n_i`.
+  """
+  x: np.ndarray
+  y: np.ndarray
+  valid: np.ndarray
+  test_x: np.ndarray
+  test_y: np.ndarray
+  test_valid: np.ndarray
+  counts: np.ndarray
+  num_samples: np.ndarray
+
+
+def federate(images: np.ndarray, labels: np.ndarray,
+             partition: partition_lib.Partition, *, seed: int,
+             batch_size: int = 1, test_fraction: float = 0.25) -> Federation:
+  """Splits each client's samples into training and test sets and stacks them.
+
+  Args:
+    images, labels: the dataset.
+    partition: the clients' sample indices (e.g. `pflax.data.pathological`).
+    seed: seed of the per-client train/test split.
+    batch_size: training data are padded to a multiple of it.
+    test_fraction: each client's share of test samples (per class).
+
+  Example:
+    >>> import numpy as np
+    >>> from pflax import data
+    >>> labels = np.repeat(np.arange(4), 10)
+    >>> part = data.pathological(labels, 2, 2, num_classes=4, seed=0)
+    >>> fed = data.federate(np.zeros((40, 3), np.float32), labels, part, seed=0)
+    >>> fed.counts.shape, int(fed.num_samples.sum() + fed.test_valid.sum())
+    ((2, 4), 40)
+  """
+  train, test = split_lib.train_test_split(partition, labels, seed=seed,
+                                           test_fraction=test_fraction)
+  tr = clients_lib.stack_clients(images, labels, train.indices,
+                                 pad_to_multiple=batch_size)
+  te = clients_lib.stack_clients(images, labels, test.indices)
+  return Federation(tr.x, tr.y, tr.mask, te.x, te.y, te.mask,
+                    np.asarray(train.counts, np.int32), tr.num_samples)
+
+
+def _pad_axis1(x: np.ndarray, length: int) -> np.ndarray:
+  """Zero-pads axis 1 (samples of `(M, L, ...)`, clients of `(S, M, ...)`) to `length`."""
+  return np.pad(x, ((0, 0), (0, length - x.shape[1])) + ((0, 0),) * (x.ndim - 2))
+
+
+def stack_federations(feds: Sequence[Federation]) -> Federation:
+  """Stacks federations on a leading run axis, padding samples to common lengths.
+
+  All must have the same clients, classes and input shape; padded samples are
+  invalid (`valid` False) and are never trained on nor evaluated.
+  """
+  train_len = max(f.x.shape[1] for f in feds)
+  test_len = max(f.test_x.shape[1] for f in feds)
+  pad = lambda f: f._replace(
+      x=_pad_axis1(f.x, train_len), y=_pad_axis1(f.y, train_len),
+      valid=_pad_axis1(f.valid, train_len), test_x=_pad_axis1(f.test_x, test_len),
+      test_y=_pad_axis1(f.test_y, test_len),
+      test_valid=_pad_axis1(f.test_valid, test_len))
+  return Federation(*(np.stack(xs) for xs in zip(*(pad(f) for f in feds))))
+
+
+def pad_clients(fed: Federation, multiple: int) -> Federation:
+  """Appends empty clients (no samples, zero counts) to run-stacked data `(S, M, ...)`
+  up to a multiple of `multiple` clients.
+
+  Padded clients sit on the client axis only so that it divides the devices
+  of a mesh: they are never chosen, aggregated nor evaluated.
+  """
+  m = fed.num_samples.shape[-1]
+  return Federation(*(_pad_axis1(x, m + -m % multiple) for x in fed))
+
+
+def select_clients(fed: Federation, index: np.ndarray) -> Federation:
+  """The federation of the clients `index` of run-stacked data `(S, M, ...)`."""
+  return Federation(*(x[:, index] for x in fed))
