@@ -2,6 +2,8 @@
 
 import argparse
 import dataclasses
+import inspect
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -12,56 +14,78 @@ import numpy as np
 
 from pflax._src import builders
 from pflax._src import plots
+from pflax._src import presets
 from pflax._src import records
 from pflax._src import simulate
 
 
+FIELD_HELP = {
+    "dataset": "'digits' (offline) or a prepared TFDS name: mnist, fashion_mnist, "
+               "cifar10, cifar100, emnist/letters",
+    "data_dir": "TFDS data directory",
+    "iid_fraction": "FedReMa's s for --partition groups",
+    "faulty_clients": "each round this fraction of the participants, drawn from the "
+                      "run's key, uploads non-finite parameters; the server drops them",
+    "eval_every": "evaluate every N rounds (and after the last)",
+    "model": "auto: the CNN for images of 16+ pixels, the MLP for digits",
+    "heterogeneous": "clients use four architectures sharing the output layer "
+                     "(algorithms that share a head: local, fedavg, cwfedavg, "
+                     "fedclassavg)",
+    "strategy": "how clients are mapped in local training",
+    "lr": "the clients' learning rate (FedClassAvg: its own, see --set)",
+    "grad_clip": "clip each local model's gradient to this global norm (FedDWA's w "
+                 "and v each on its own)",
+}
+FIELD_CHOICES = {"partition": simulate.PARTITIONS, "model": ("auto", "cnn", "mlp"),
+                 "strategy": ("auto", "vmap", "loop", "map"),
+                 "optimizer": ("sgd", "adam")}
+CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(simulate.ExperimentConfig)
+                      if f.name not in ("optimizers", "hyperparameters"))
+"""`ExperimentConfig` fields with a flag of their own (`--name-with-dashes`)."""
+
+
+def _flag(field: str) -> str:
+  return "--" + field.replace("_", "-")
+
+
+def _field_type(default: Any) -> Any:
+  return float if default is None else type(default)
+
+
 def _parser() -> argparse.ArgumentParser:
   defaults = simulate.ExperimentConfig()
-  hp = defaults
   names = tuple(builders.BUILDERS)
   p = argparse.ArgumentParser(
-      prog="pflax-run",
+      prog="pflax-run", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
       description="Personalized federated learning experiments with pflax. With no "
                   "arguments: all eight algorithms on the offline digits dataset.")
   p.add_argument("--algorithms", nargs="+", default=list(names), metavar="NAME",
-                 help=f"any of {' '.join(names)} (default: all), or your own "
-                      "builder as module:function (importable from the current "
-                      "directory)")
-  p.add_argument("--dataset", default=defaults.dataset,
-                 help="'digits' (offline, default) or a prepared TFDS name: mnist, "
-                      "fashion_mnist, cifar10, cifar100, emnist/letters")
-  p.add_argument("--data-dir", default=None, help="TFDS data directory")
-  p.add_argument("--partition", default=defaults.partition,
-                 choices=simulate.PARTITIONS)
-  p.add_argument("--classes-per-client", type=int, default=defaults.classes_per_client)
-  p.add_argument("--dirichlet-alpha", type=float, default=defaults.dirichlet_alpha)
-  p.add_argument("--iid-fraction", type=float, default=defaults.iid_fraction,
-                 help="FedReMa's s for --partition groups")
-  p.add_argument("--clients", type=int, default=defaults.clients)
-  p.add_argument("--participation", type=float, default=defaults.participation)
-  p.add_argument("--faulty-clients", type=float, default=defaults.faulty_clients,
-                 metavar="FRACTION",
-                 help="each round this fraction of the participants, drawn from the "
-                      "run's key, uploads non-finite parameters; the server drops "
-                      "them (default: 0)")
-  p.add_argument("--rounds", type=int, default=defaults.rounds)
-  p.add_argument("--eval-every", type=int, default=defaults.eval_every)
-  p.add_argument("--local-epochs", type=int, default=hp.local_epochs)
-  p.add_argument("--batch-size", type=int, default=hp.batch_size)
-  p.add_argument("--lr", type=float, default=hp.lr)
-  p.add_argument("--optimizer", default=hp.optimizer, choices=("sgd", "adam"))
-  p.add_argument("--momentum", type=float, default=hp.momentum)
-  p.add_argument("--grad-clip", type=float, default=hp.grad_clip,
-                 help="clip each local model's gradient to this global norm (FedDWA's "
-                      "w and v each on its own; default: none)")
-  p.add_argument("--model", default=defaults.model, choices=("auto", "cnn", "mlp"),
-                 help="auto: the CNN for images of 16+ pixels, the MLP for digits")
-  p.add_argument("--heterogeneous", action="store_true",
-                 help="fedclassavg only: clients use four different architectures")
-  p.add_argument("--strategy", default=defaults.strategy,
-                 choices=("auto", "vmap", "loop", "map"),
-                 help="how clients are mapped in local training")
+                 help=f"any of {' '.join(names)}, or your own builder as "
+                      "module:function (importable from the current directory)")
+  for field in CONFIG_FIELDS:
+    default = getattr(defaults, field)
+    if isinstance(default, bool):
+      p.add_argument(_flag(field), action="store_true", help=FIELD_HELP.get(field))
+    else:
+      p.add_argument(_flag(field), type=_field_type(default), default=default,
+                     choices=FIELD_CHOICES.get(field),
+                     help=FIELD_HELP.get(field, field.replace("_", " ")))
+  p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                 help="a keyword of the chosen algorithms' builders (e.g. wdr_coef=10, "
+                      "fedclassavg.rho=0.5) or of an algorithm's optimizer "
+                      "(fedclassavg.lr=1e-4); NAME.KEY sets it for one algorithm only; "
+                      "repeatable")
+  p.add_argument("--list-presets", action="store_true",
+                 help="list the papers' headline settings and exit")
+  p.add_argument("--preset", default=None, metavar="NAME",
+                 help="every value of a paper's headline setting (see "
+                      "--list-presets); flags given as well override it")
+  p.add_argument("--config", default=None, metavar="FILE",
+                 help="re-run the experiment of a results.json (or of its 'config'); "
+                      "flags given as well override it")
+  p.add_argument("--print-config", action="store_true",
+                 help="print the resolved configuration as JSON (results.json's "
+                      "'config') and exit")
   p.add_argument("--seeds", type=int, nargs="+", default=[0],
                  help="several seeds run as one sweep (see --sequential)")
   p.add_argument("--sweep", default=None, metavar="HYPERPARAMETER",
@@ -80,37 +104,151 @@ def _parser() -> argparse.ArgumentParser:
                       "give the three below); --devices then counts all hosts' "
                       "devices and only process 0 writes results")
   p.add_argument("--coordinator-address", default=None, help="host:port of process 0")
-  p.add_argument("--num-processes", type=int, default=None)
-  p.add_argument("--process-id", type=int, default=None)
+  p.add_argument("--num-processes", type=int, default=None, help="processes in all")
+  p.add_argument("--process-id", type=int, default=None, help="this process (0: writes)")
   p.add_argument("--sequential", action="store_true",
-                 help="run seeds one after another instead of as one sweep (implied "
-                      "by --heterogeneous and checkpoints)")
+                 help="run seeds one after another instead of as one sweep")
   p.add_argument("--out", default="runs/latest", help="output directory")
   p.add_argument("--checkpoint-every", type=int, default=0,
                  help="save a checkpoint every N rounds (0: never)")
   p.add_argument("--resume", action="store_true",
                  help="continue from the checkpoints in --out")
+  p.add_argument("--no-compilation-cache", action="store_true",
+                 help="do not use JAX's persistent compilation cache (by default "
+                      f"in {compilation_cache_dir()})")
   p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
   return p
 
 
-def config_from_args(args: argparse.Namespace) -> simulate.ExperimentConfig:
-  """The experiment configuration named by command-line arguments."""
-  config = simulate.ExperimentConfig(
-      dataset=args.dataset, data_dir=args.data_dir, partition=args.partition,
-      clients=args.clients, classes_per_client=args.classes_per_client,
-      dirichlet_alpha=args.dirichlet_alpha, iid_fraction=args.iid_fraction,
-      participation=args.participation, faulty_clients=args.faulty_clients,
-      rounds=args.rounds, eval_every=args.eval_every, model=args.model,
-      heterogeneous=args.heterogeneous, strategy=args.strategy,
-      local_epochs=args.local_epochs, batch_size=args.batch_size, lr=args.lr,
-      optimizer=args.optimizer, momentum=args.momentum, grad_clip=args.grad_clip)
+def compilation_cache_dir() -> str:
+  """Where `pflax-run` keeps JAX's persistent compilation cache: `$PFLAX_CACHE_DIR`,
+  else `$XDG_CACHE_HOME/pflax/jax` (`~/.cache/pflax/jax`)."""
+  if os.environ.get("PFLAX_CACHE_DIR"):
+    return os.environ["PFLAX_CACHE_DIR"]
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"),
+                                                         ".cache")
+  return os.path.join(base, "pflax", "jax")
+
+
+def _given(argv: Sequence[str] | None) -> set[str]:
+  """The destinations of the flags given on the command line."""
+  quiet = _parser()
+  for action in quiet._actions:  # pylint: disable=protected-access
+    action.default = argparse.SUPPRESS
+  return set(vars(quiet.parse_args(argv)))
+
+
+def _fail(message: str) -> SystemExit:
+  return SystemExit(f"pflax-run: {message}")
+
+
+def _flag_message(error: ValueError) -> str:
+  """A configuration error with its field named as the command-line flag."""
+  text = str(error)
+  for field in CONFIG_FIELDS:
+    if text.startswith(field + " "):
+      return _flag(field) + text[len(field):]
+  return text
+
+
+def _typed(key: str, text: str, default: Any) -> Any:
+  """`text` as the type of a keyword's default (bool, int, float, str)."""
   try:
+    if isinstance(default, bool):
+      if text.lower() not in ("true", "false", "1", "0"):
+        raise ValueError(text)
+      return text.lower() in ("true", "1")
+    if isinstance(default, (int, float, str)):
+      return type(default)(text)
+    return float(text)
+  except ValueError:
+    raise _fail(f"--set {key}: {text!r} is not a {type(default).__name__}") from None
+
+
+def _settable(name: str) -> dict[str, Any]:
+  """`{key: default}` of what `--set` may set for one algorithm: its builder's
+  keywords with plain defaults, and its optimizer's fields."""
+  params = inspect.signature(simulate.resolve_builder(name)).parameters.values()
+  keys = {p.name: p.default for p in params if p.kind == p.KEYWORD_ONLY
+          and isinstance(p.default, (bool, int, float, str))}
+  defaults = simulate.ExperimentConfig()
+  keys.update({f: getattr(defaults, f) for f in simulate.OPTIMIZER_FIELDS})
+  return keys
+
+
+def _apply_sets(config: simulate.ExperimentConfig, algorithms: Sequence[str],
+                sets: Sequence[str]) -> simulate.ExperimentConfig:
+  """`config` with the `--set KEY=VALUE` assignments (see the flag's help)."""
+  hyperparameters = {k: dict(v) for k, v in config.hyperparameters.items()}
+  optimizers = {k: dict(v) for k, v in config.optimizers.items()}
+  for item in sets:
+    key, sep, text = item.partition("=")
+    if not sep:
+      raise _fail(f"--set takes KEY=VALUE, got {item!r}")
+    name, _, field = key.rpartition(".")
+    targets = [name] if name else list(algorithms)
+    if name and name not in algorithms:
+      raise _fail(f"--set {key}: {name!r} is not one of --algorithms "
+                  f"{' '.join(algorithms)}")
+    hits = [t for t in targets if field in _settable(t)]
+    if not hits:
+      valid = sorted({f"{t}.{k}" for t in targets for k in _settable(t)})
+      raise _fail(f"--set {key}: unknown key; valid keys: {', '.join(valid)}")
+    for target in hits:
+      default = _settable(target)[field]
+      table = optimizers if field in simulate.OPTIMIZER_FIELDS else hyperparameters
+      table.setdefault(target, {})[field] = _typed(key, text, default)
+  return dataclasses.replace(config, hyperparameters=hyperparameters,
+                             optimizers=optimizers)
+
+
+def _loaded(path: str) -> dict[str, Any]:
+  """The `config` of a results.json (or a bare config), as written by pflax-run."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      data = json.load(f)
+  except (OSError, ValueError) as e:
+    raise _fail(f"--config {path}: {e}") from None
+  return data.get("config", data) if isinstance(data, dict) else {}
+
+
+def config_from_args(args: argparse.Namespace, given: set[str]
+                     ) -> simulate.ExperimentConfig:
+  """The experiment configuration named by the command line: `--config`'s, with the
+  flags given (and `--set`) on top."""
+  base = {}
+  if args.preset:
+    try:
+      preset = presets.get(args.preset)
+    except ValueError as e:
+      raise _fail(f"--preset: {e}") from None
+    base = dict(preset.config)
+    if "algorithms" not in given:
+      args.algorithms = list(preset.algorithms)
+  if args.config:
+    saved = _loaded(args.config)
+    unknown = set(saved) - set(CONFIG_FIELDS) - {"optimizers", "hyperparameters",
+                                                  "algorithms", "seeds", "devices",
+                                                  "sweep", "preset"}
+    if unknown:
+      raise _fail(f"--config {args.config}: unknown keys {', '.join(sorted(unknown))}")
+    base.update({k: v for k, v in saved.items()
+                 if k not in ("algorithms", "seeds", "devices", "sweep", "preset")})
+    for key, dest in (("algorithms", "algorithms"), ("seeds", "seeds"),
+                      ("devices", "devices")):
+      if key in saved and dest not in given:
+        setattr(args, dest, saved[key])
+    if "sweep" in saved and "sweep" not in given and saved["sweep"]:
+      (args.sweep, args.values), = saved["sweep"].items()
+  flags = {f: getattr(args, f) for f in CONFIG_FIELDS if f in given or f not in base}
+  try:
+    config = simulate.ExperimentConfig(**{**base, **flags})
+    config = _apply_sets(config, args.algorithms, args.set)
     simulate.check_config(config)
     for name in args.algorithms:
-      simulate.resolve_builder(name)
-  except ValueError as e:
-    raise SystemExit(f"pflax-run: {e}") from None
+      simulate.check_algorithm(name, config)
+  except (ValueError, TypeError) as e:
+    raise _fail(_flag_message(e)) from None
   return config
 
 
@@ -170,13 +308,40 @@ def _table(runs: Sequence[records.RunRecord]) -> str:
 
 def _config_dict(config: simulate.ExperimentConfig, args: argparse.Namespace
                  ) -> dict[str, Any]:
+  """`results.json`'s `config`: every value the run uses, the builders' and the
+  optimizers' included, and the run-level choices (algorithms, seeds, sweep)."""
   out = dataclasses.asdict(config)
+  out["hyperparameters"] = {}
+  out["optimizers"] = {}
+  for name in args.algorithms:
+    settable = _settable(name)
+    optimizer = {f: settable.pop(f) for f in simulate.OPTIMIZER_FIELDS}
+    out["hyperparameters"][name] = {**settable, **config.hyperparameters.get(name, {})}
+    out["optimizers"][name] = {**{f: getattr(config, f) for f in optimizer},
+                               **config.optimizers.get(name, {})}
   out["algorithms"] = list(args.algorithms)
+  out["preset"] = args.preset
   out["seeds"] = list(args.seeds)
   out["devices"] = args.devices
   if args.sweep:
     out["sweep"] = {args.sweep: list(args.values)}
   return out
+
+
+def _check_run_flags(args: argparse.Namespace) -> None:
+  """One-line errors for run-level flags, before any work starts."""
+  if args.checkpoint_every < 0:
+    raise _fail(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
+  if args.devices is not None and args.devices < 1:
+    raise _fail(f"--devices must be >= 1, got {args.devices}")
+  try:
+    os.makedirs(args.out, exist_ok=True)
+    probe = os.path.join(args.out, ".pflax-write-test")
+    with open(probe, "w", encoding="utf-8"):
+      pass
+    os.remove(probe)
+  except OSError as e:
+    raise _fail(f"--out {args.out} cannot be written: {e.strerror}") from None
 
 
 def _report(run: records.RunRecord) -> None:
@@ -216,16 +381,47 @@ def _sweep(name: str, config: simulate.ExperimentConfig, args: argparse.Namespac
   return out
 
 
+def _use_compilation_cache(args: argparse.Namespace) -> None:
+  """JAX's persistent compilation cache in the user's cache directory: a rerun of the
+  same configuration skips compilation (`--no-compilation-cache`: off)."""
+  if args.no_compilation_cache or jax.config.jax_compilation_cache_dir:
+    return
+  jax.config.update("jax_compilation_cache_dir", compilation_cache_dir())
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
+
+
+def _resume_notice(args: argparse.Namespace) -> None:
+  if args.resume and not any(name.endswith(".ckpt") for name in os.listdir(args.out)):
+    print(f"pflax-run: no checkpoint in {args.out}: starting from round 1",
+          file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   """Entry point of `pflax-run` and `python -m pflax`."""
   args = _parser().parse_args(argv)
+  try:
+    return _main(args, _given(argv))
+  except KeyboardInterrupt:
+    print("pflax-run: interrupted", file=sys.stderr)
+    return 130
+
+
+def _main(args: argparse.Namespace, given: set[str]) -> int:
+  sys.path.insert(0, os.getcwd())  # for --algorithms module:builder
+  if args.list_presets:
+    print(presets.listing())
+    return 0
+  config = config_from_args(args, given)
+  if args.print_config:
+    print(json.dumps(_config_dict(config, args), indent=1))
+    return 0
+  _check_run_flags(args)
+  _use_compilation_cache(args)
   if args.distributed:
     jax.distributed.initialize(coordinator_address=args.coordinator_address,
                                num_processes=args.num_processes,
                                process_id=args.process_id)
-  sys.path.insert(0, os.getcwd())  # for --algorithms module:builder
-  config = config_from_args(args)
-  os.makedirs(args.out, exist_ok=True)
+  _resume_notice(args)
   setups = {seed: simulate.prepare(config, seed) for seed in args.seeds}
   runs = []
   for name in args.algorithms:

@@ -255,6 +255,10 @@ def check_config(config: ExperimentConfig) -> None:
     if not ok:
       raise ValueError(f"{field} must be {expected}, got {getattr(config, field)!r}.")
   require(config.clients >= 1, "clients", ">= 1")
+  require(config.classes_per_client >= 1, "classes_per_client", ">= 1")
+  require(config.dirichlet_alpha > 0 and math.isfinite(config.dirichlet_alpha),
+          "dirichlet_alpha", "a finite number > 0")
+  require(0.0 <= config.iid_fraction <= 1.0, "iid_fraction", "in [0, 1]")
   require(0.0 < config.participation <= 1.0, "participation", "in (0, 1]")
   require(0.0 <= config.faulty_clients < 1.0, "faulty_clients", "a fraction in [0, 1)")
   require(config.rounds >= 1, "rounds", ">= 1")
@@ -262,6 +266,17 @@ def check_config(config: ExperimentConfig) -> None:
   require(config.local_epochs >= 1, "local_epochs", ">= 1")
   require(config.batch_size >= 1, "batch_size", ">= 1")
   require(config.lr > 0 and math.isfinite(config.lr), "lr", "a finite number > 0")
+
+
+def check_algorithm(algorithm: str | Builder, config: ExperimentConfig) -> None:
+  """Raises ValueError if `algorithm`'s builder refuses its hyperparameters in `config`
+  (builds it once with a placeholder model; nothing is compiled)."""
+  name = _algorithm_name(algorithm)
+  builder = resolve_builder(algorithm) if isinstance(algorithm, str) else algorithm
+  optimizer = {f: getattr(config, f) for f in OPTIMIZER_FIELDS}
+  optimizer.update(config.optimizers.get(name, {}))
+  builder(models.MLP(2), client_optimizer(**optimizer),
+          **config.hyperparameters.get(name, {}))
 
 
 def _check_grid(seeds: Sequence[int], swept: str | None, values: Sequence[float],
