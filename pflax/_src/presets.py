@@ -73,6 +73,11 @@ _FEDSA_SOURCES = {
     "optimizer, lr, batch_size": "not stated",
 }
 
+_FEDSA = dict(dataset="cifar10", clients=20, participation=1.0, rounds=1000,
+              local_epochs=1, model="cnn", hyperparameters={"fedsa": {
+                  "cv_threshold": 0.2, "sim_threshold": 0.2, "num_mic": 4,
+                  "num_mac": 4}})
+
 _FEDDWA_SOURCES = {
     "optimizer, local_epochs, lr, batch_size, clients, participation, rounds, "
     "lam, alpha": "feddwa.txt line 166: SGD; local training rounds 5; learning rate "
@@ -86,6 +91,10 @@ _FEDDWA_SOURCES = {
     "split": "line 210: a training and a test set of the same distribution; ratio "
              "not stated (pflax: 75/25)",
 }
+
+_FEDDWA = dict(dataset="cifar10", clients=20, participation=1.0, rounds=100,
+               local_epochs=5, batch_size=16, optimizer="sgd", lr=0.01, model="cnn",
+               hyperparameters={"feddwa": {"alpha": 0.2, "lam": 1.0}})
 
 _FEDREMA_SOURCES = {
     "optimizer, rounds, local_epochs, batch_size, lr":
@@ -141,38 +150,24 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            "(FedAvg 90.79). Departures: pflax's CNN instead of ResNet-18; optimizer, "
            "learning rate and batch size not stated (pflax's SGD 0.05, batch 10).",
            ("fedsa", "fedavg", "fedprox"),
-           dict(dataset="cifar10", partition="pathological", classes_per_client=2,
-                clients=20, participation=1.0, rounds=1000, local_epochs=1,
-                model="cnn", hyperparameters={"fedsa": {
-                    "cv_threshold": 0.2, "sim_threshold": 0.2, "num_mic": 4,
-                    "num_mac": 4}}), _FEDSA_SOURCES),
+           dict(_FEDSA, partition="pathological", classes_per_client=2),
+           _FEDSA_SOURCES),
     Preset("fedsa-cifar10-dirichlet",
            "FedSA, Table 1: CIFAR-10, practical setting, Dirichlet alpha 0.1; the "
            "paper reports 90.41 (FedAvg 88.55). Departures as for "
            "fedsa-cifar10-pathological.",
            ("fedsa", "fedavg", "fedprox"),
-           dict(dataset="cifar10", partition="dirichlet", dirichlet_alpha=0.1,
-                clients=20, participation=1.0, rounds=1000, local_epochs=1,
-                model="cnn", hyperparameters={"fedsa": {
-                    "cv_threshold": 0.2, "sim_threshold": 0.2, "num_mic": 4,
-                    "num_mac": 4}}), _FEDSA_SOURCES),
+           dict(_FEDSA, partition="dirichlet", dirichlet_alpha=0.1), _FEDSA_SOURCES),
     Preset("feddwa-cifar10-dirichlet",
            "FedDWA, Table 1: CIFAR-10, dir = 0.3; the paper reports 86.97 (FedAvg "
            "53.44, Ditto 85.41). Temperature not stated: 1.",
            ("feddwa", "fedavg"),
-           dict(dataset="cifar10", partition="dirichlet", dirichlet_alpha=0.3,
-                clients=20, participation=1.0, rounds=100, local_epochs=5,
-                batch_size=16, optimizer="sgd", lr=0.01, model="cnn",
-                hyperparameters={"feddwa": {"alpha": 0.2, "lam": 1.0}}),
-           _FEDDWA_SOURCES),
+           dict(_FEDDWA, partition="dirichlet", dirichlet_alpha=0.3), _FEDDWA_SOURCES),
     Preset("feddwa-cifar10-pathological",
            "FedDWA, Table A1: CIFAR-10, 2 classes per client, 20 clients, 100% "
            "participation; the paper reports 85.2 (FedAvg 39.53).",
            ("feddwa", "fedavg"),
-           dict(dataset="cifar10", partition="pathological", classes_per_client=2,
-                clients=20, participation=1.0, rounds=100, local_epochs=5,
-                batch_size=16, optimizer="sgd", lr=0.01, model="cnn",
-                hyperparameters={"feddwa": {"alpha": 0.2, "lam": 1.0}}),
+           dict(_FEDDWA, partition="pathological", classes_per_client=2),
            _FEDDWA_SOURCES),
     Preset("fedrema-cifar10-groups",
            "FedReMa, Table 1: CIFAR-10, five groups of clients with three dominant "
