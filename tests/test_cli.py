@@ -117,3 +117,22 @@ def test_persistent_compilation_cache_fills_and_can_be_turned_off(tmp_path):
   subprocess.run(command + ["--out", str(tmp_path / "b"), "--no-compilation-cache"],
                  env=off, check=True, capture_output=True, cwd=REPO)
   assert not (tmp_path / "off").exists()
+
+
+def test_download_flag_asks_tfds_to_prepare_first(monkeypatch, tmp_path):
+  calls = []
+
+  def load(name, *, data_dir=None, download=False):
+    calls.append((name, data_dir, download))
+    raise KeyboardInterrupt   # stop before training
+  monkeypatch.setattr(cli.datasets, "load", load)
+  assert cli.main(SMALL + ["--dataset", "mnist", "--data-dir", str(tmp_path),
+                           "--download", "--out", str(tmp_path / "out")]) == 130
+  assert calls == [("mnist", str(tmp_path), True)]
+
+
+def test_without_download_a_missing_dataset_fails_fast(tmp_path):
+  pytest.importorskip("tensorflow_datasets")
+  with pytest.raises(FileNotFoundError, match="pflax-run --download"):
+    cli.main(SMALL + ["--dataset", "mnist", "--data-dir", str(tmp_path),
+                      "--out", str(tmp_path / "out")])

@@ -146,3 +146,28 @@ def test_load_tfds_tfrecord_without_tensorflow(tmp_path):
   info_path.write_text(json.dumps(info))
   with pytest.raises(RuntimeError, match="only TensorFlow can read.*array_record"):
     data.load_tfds("mnist", data_dir=str(tmp_path))
+
+
+def test_load_tfds_downloads_only_when_asked(tmp_path, monkeypatch):
+  """`download=True` asks TFDS to download and prepare an array_record copy. The
+  download itself is replaced by writing the tiny copy (no network)."""
+  calls = []
+  original = tfds.core.DatasetBuilder.download_and_prepare
+  rng = np.random.default_rng(0)
+  split = _tiny_split(rng, 3, (28, 28, 1), [0, 1, 2])
+
+  def fake_download(self, **kwargs):
+    if type(self).__name__ == "Tiny":      # the tiny copy's own preparation
+      return original(self, **kwargs)
+    calls.append((self.name, kwargs.get("file_format")))
+    _prepare(mnist.MNIST, tmp_path, {"train": split, "test": split})
+
+  monkeypatch.setattr(tfds.core.DatasetBuilder, "download_and_prepare", fake_download)
+  with pytest.raises(FileNotFoundError, match="pflax-run --download"):
+    data.load("mnist", data_dir=str(tmp_path))
+  assert not calls and not any(tmp_path.iterdir())
+  ds = data.load("mnist", data_dir=str(tmp_path), download=True)
+  assert calls == [("mnist", "array_record")]
+  assert ds.images.shape == (6, 28, 28, 1)
+  data.load("mnist", data_dir=str(tmp_path), download=True)   # prepared: no download
+  assert len(calls) == 1

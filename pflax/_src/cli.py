@@ -6,6 +6,7 @@ import inspect
 import json
 import os
 import sys
+import typing
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,6 +18,7 @@ from pflax._src import plots
 from pflax._src import presets
 from pflax._src import records
 from pflax._src import simulate
+from pflax._src.data import datasets
 
 
 FIELD_HELP = {
@@ -48,8 +50,12 @@ def _flag(field: str) -> str:
   return "--" + field.replace("_", "-")
 
 
-def _field_type(default: Any) -> Any:
-  return float if default is None else type(default)
+def _field_type(field: str) -> Any:
+  """The flag's type: the field's annotation, without its `| None`."""
+  annotation = {f.name: f.type for f in dataclasses.fields(simulate.ExperimentConfig)
+                }[field]
+  options = [t for t in typing.get_args(annotation) if t is not type(None)]
+  return options[0] if options else annotation
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -67,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     if isinstance(default, bool):
       p.add_argument(_flag(field), action="store_true", help=FIELD_HELP.get(field))
     else:
-      p.add_argument(_flag(field), type=_field_type(default), default=default,
+      p.add_argument(_flag(field), type=_field_type(field), default=default,
                      choices=FIELD_CHOICES.get(field),
                      help=FIELD_HELP.get(field, field.replace("_", " ")))
   p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -75,6 +81,9 @@ def _parser() -> argparse.ArgumentParser:
                       "fedclassavg.rho=0.5) or of an algorithm's optimizer "
                       "(fedclassavg.lr=1e-4); NAME.KEY sets it for one algorithm only; "
                       "repeatable")
+  p.add_argument("--download", action="store_true",
+                 help="let TFDS download and prepare --dataset into --data-dir if it "
+                      "is not prepared (off: fail fast, offline)")
   p.add_argument("--list-presets", action="store_true",
                  help="list the papers' headline settings and exit")
   p.add_argument("--preset", default=None, metavar="NAME",
@@ -422,6 +431,8 @@ def _main(args: argparse.Namespace, given: set[str]) -> int:
                                num_processes=args.num_processes,
                                process_id=args.process_id)
   _resume_notice(args)
+  if args.download:
+    datasets.load(config.dataset, data_dir=config.data_dir, download=True)
   setups = {seed: simulate.prepare(config, seed) for seed in args.seeds}
   runs = []
   for name in args.algorithms:

@@ -1,8 +1,9 @@
 """Image classification datasets as NumPy arrays: bundled digits, or TFDS.
 
-Nothing here downloads data. `load_digits` reads the copy bundled with
-scikit-learn; `load_tfds` reads a TensorFlow Datasets copy that was prepared
-beforehand and fails at once, with instructions, when there is none.
+Nothing here downloads data unless asked (`download=True`). `load_digits` reads
+the copy bundled with scikit-learn; `load_tfds` reads a TensorFlow Datasets copy
+that was prepared beforehand and fails at once, with instructions, when there is
+none, or lets TFDS download and prepare it.
 """
 
 import importlib.util
@@ -81,15 +82,16 @@ def _not_prepared_message(name: str, builder) -> str:
   root = builder.data_dir_root
   return (
       f"TFDS dataset {name!r} is not prepared in {root} (looked for "
-      f"{builder.data_dir}) and pflax never downloads data. On a machine with "
+      f"{builder.data_dir}) and pflax downloads nothing unless asked. On a machine with "
       "internet access, with tensorflow and tensorflow-datasets installed, run\n"
       f"  tfds build {name} --data_dir {root} --file_format array_record\n"
       "or\n"
       f"  python -c \"import tensorflow_datasets as tfds; tfds.builder('{name}', "
       f"data_dir='{root}', file_format='array_record').download_and_prepare()\"\n"
-      f"then copy {root} to this machine (and pass it as data_dir). The "
-      "array_record format is read without TensorFlow. Use the dataset 'digits' to "
-      "work fully offline.")
+      f"then copy {root} to this machine (and pass it as data_dir), or let "
+      "pflax download it here (`pflax-run --download`, `load(..., download=True)`). "
+      "The array_record format is read without TensorFlow. Use the dataset "
+      "'digits' to work fully offline.")
 
 
 def _read_split(tfds, builder, split: str) -> tuple[np.ndarray, np.ndarray]:
@@ -113,19 +115,23 @@ def _read_split(tfds, builder, split: str) -> tuple[np.ndarray, np.ndarray]:
       "tensorflow, or prepare it again with --file_format array_record.")
 
 
-def load_tfds(name: str, *, data_dir: str | None = None) -> Dataset:
-  """Loads an already prepared TFDS dataset, train and test splits concatenated.
+def load_tfds(name: str, *, data_dir: str | None = None,
+              download: bool = False) -> Dataset:
+  """Loads a prepared TFDS dataset, train and test splits concatenated.
 
   Images are scaled from `uint8` to `[0, 1]`; `emnist/letters` labels `1..26`
   become `0..25`. EMNIST images keep TFDS's orientation (transposed relative to
-  MNIST). Never downloads: a dataset that is not prepared in `data_dir` raises a
-  `FileNotFoundError` explaining how to prepare it elsewhere.
+  MNIST). Downloads nothing unless `download`: a dataset that is not prepared
+  in `data_dir` raises a `FileNotFoundError` explaining how to prepare it.
 
   Args:
     name: one of `"mnist"`, `"fashion_mnist"`, `"cifar10"`, `"cifar100"`,
       `"emnist/letters"`.
     data_dir: the TFDS data directory; defaults to TFDS's own
       (`$TFDS_DATA_DIR` or `~/tensorflow_datasets`).
+    download: let TFDS download and prepare a dataset that is not prepared yet
+      (in the array_record format, read without TensorFlow; preparing may need
+      TensorFlow).
 
   Returns:
     A `Dataset` with the train split followed by the test split.
@@ -145,6 +151,9 @@ def load_tfds(name: str, *, data_dir: str | None = None) -> Dataset:
     raise ValueError(f"name must be one of {TFDS_NAMES}, got {name!r}.")
   tfds = _import_tfds()
   builder = tfds.builder(name, data_dir=data_dir, try_gcs=False)
+  if not builder.is_prepared() and download:
+    builder.download_and_prepare(file_format="array_record")
+    builder = tfds.builder(name, data_dir=data_dir, try_gcs=False)
   if not builder.is_prepared():
     raise FileNotFoundError(_not_prepared_message(name, builder))
   images, labels = zip(*(_read_split(tfds, builder, split) for split in _SPLITS))
@@ -153,13 +162,14 @@ def load_tfds(name: str, *, data_dir: str | None = None) -> Dataset:
   return Dataset(images, labels, _NUM_CLASSES[name], name)
 
 
-def load(name: str, *, data_dir: str | None = None) -> Dataset:
+def load(name: str, *, data_dir: str | None = None, download: bool = False) -> Dataset:
   """Loads a dataset by name: `"digits"` (offline) or a TFDS name.
 
   Args:
     name: one of `"digits"`, `"mnist"`, `"fashion_mnist"`, `"cifar10"`,
       `"cifar100"`, `"emnist/letters"`.
     data_dir: TFDS data directory (unused for `"digits"`).
+    download: let TFDS download and prepare the dataset (`load_tfds`).
 
   Returns:
     The `Dataset`.
@@ -171,5 +181,5 @@ def load(name: str, *, data_dir: str | None = None) -> Dataset:
   if name == "digits":
     return load_digits()
   if name in TFDS_NAMES:
-    return load_tfds(name, data_dir=data_dir)
+    return load_tfds(name, data_dir=data_dir, download=download)
   raise ValueError(f"name must be one of {NAMES}, got {name!r}.")
