@@ -6,7 +6,7 @@ import pytest
 
 from pflax._src import cli
 from pflax._src import presets
-from pflax._src import simulate
+from pflax import simulate
 
 
 @pytest.mark.parametrize("name", presets.names())
