@@ -32,6 +32,7 @@ SMALL = ["--clients", "6", "--rounds", "2", "--model", "mlp", "--local-epochs", 
     (["--set", "fedavg.mu=1", "--algorithms", "fedprox"], "--set fedavg.mu: 'fedavg'"),
     (["--set", "wdr_coef=-1", "--algorithms", "cwfedavg"], "wdr_coef must be a finite"),
     (["--set", "alpha=2", "--algorithms", "feddwa"], "alpha must be a finite number"),
+    (["--heterogeneous", "--algorithms", "feddwa"], "--heterogeneous needs algorithms"),
 ])
 def test_bad_flags_are_one_line_errors_before_any_work(flags, message, tmp_path):
   with pytest.raises(SystemExit, match="^pflax-run: " + message) as error:

@@ -207,3 +207,10 @@ def test_heterogeneous_participants_are_round_p_m_of_all_clients():
   poisoned = dataclasses.replace(het_setup, federation=fed._replace(x=fed.x * np.nan))
   record = simulate.run("fedclassavg", config, 0, setup=poisoned)
   assert [len(h.dropped_clients) for h in record.history] == [2, 2]
+
+
+def test_heterogeneous_needs_an_algorithm_that_shares_a_head(setup):
+  config = dataclasses.replace(CONFIG, heterogeneous=True)
+  with pytest.raises(ValueError, match="heterogeneous models need an algorithm that "
+                                       "shares a head"):
+    simulate.run("fedrema", config, 0, setup=setup)

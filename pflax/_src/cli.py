@@ -32,7 +32,7 @@ FIELD_HELP = {
     "model": "auto: the CNN for images of 16+ pixels, the MLP for digits",
     "heterogeneous": "clients use four architectures sharing the output layer "
                      "(algorithms that share a head: local, fedavg, cwfedavg, "
-                     "fedclassavg)",
+                     "fedclassavg, fedsa)",
     "strategy": "how clients are mapped in local training",
     "lr": "the clients' learning rate (FedClassAvg: its own, see --set)",
     "grad_clip": "clip each local model's gradient to this global norm (FedDWA's w "
@@ -256,6 +256,10 @@ def config_from_args(args: argparse.Namespace, given: set[str]
     simulate.check_config(config)
     for name in args.algorithms:
       simulate.check_algorithm(name, config)
+      if (config.heterogeneous and name in builders.BUILDERS
+          and name not in simulate.HEAD_SHARING):
+        raise ValueError(f"--heterogeneous needs algorithms that share a head "
+                         f"({', '.join(simulate.HEAD_SHARING)}), got {name!r}")
   except (ValueError, TypeError) as e:
     raise _fail(_flag_message(e)) from None
   return config

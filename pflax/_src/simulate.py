@@ -37,6 +37,9 @@ from pflax._src.data import groups as label_groups_lib
 from pflax._src.data import pathological as pathological_lib
 
 PARTITIONS = ("pathological", "dirichlet", "groups")
+HEAD_SHARING = ("local", "fedavg", "cwfedavg", "fedclassavg", "fedsa")
+"""pflax's algorithms whose server step and client context read only the output
+layer, so `heterogeneous=True` can wrap them (`pflax.algorithms.heterogeneous`)."""
 OPTIMIZER_FIELDS = ("optimizer", "lr", "momentum", "adam_b1", "grad_clip")
 """The fields of the clients' optimizer in `ExperimentConfig` (and its overrides)."""
 
@@ -306,6 +309,10 @@ class _Grid:
     check_config(config)
     builder = resolve_builder(algorithm) if isinstance(algorithm, str) else algorithm
     _check_grid(seeds, swept, values, builder)
+    if (config.heterogeneous and isinstance(algorithm, str)
+        and algorithm in builders.BUILDERS and algorithm not in HEAD_SHARING):
+      raise ValueError(f"heterogeneous models need an algorithm that shares a head "
+                       f"({', '.join(HEAD_SHARING)}), got {algorithm!r}.")
     if mesh is not None and config.heterogeneous:
       raise ValueError("a mesh splits one architecture's clients: heterogeneous=False.")
     setups = dict(setups or {})
