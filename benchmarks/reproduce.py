@@ -174,8 +174,9 @@ def plot(all_results: dict[str, simulate.Results], path: str) -> None:
       rounds = runs[0].curve()[0]
       curves = np.array([r.curve()[1] for r in runs])
       mean, std = 100 * curves.mean(0), 100 * curves.std(0)
-      ax.plot(rounds, mean, label=name)
-      ax.fill_between(rounds, mean - std, mean + std, alpha=0.15)
+      color = simulate.algorithm_color(runs[0].algorithm)
+      ax.plot(rounds, mean, label=name, color=color)
+      ax.fill_between(rounds, mean - std, mean + std, alpha=0.15, color=color)
     ax.set_title(f"digits, {PARTITIONS[partition]}", fontsize=10)
     ax.set_xlabel("round")
     ax.grid(alpha=0.3)

@@ -2,6 +2,7 @@
 
 from pflax._src.engine import output_norms
 from pflax._src.engine import participants
+from pflax._src.plots import algorithm_color
 from pflax._src.records import Accuracy
 from pflax._src.records import Results
 from pflax._src.records import RoundRecord
@@ -25,6 +26,7 @@ __all__ = (
     "RunRecord",
     "Setup",
     "Summary",
+    "algorithm_color",
     "client_optimizer",
     "client_shardings",
     "output_norms",

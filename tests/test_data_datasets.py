@@ -22,6 +22,7 @@ PIL_Image = pytest.importorskip("PIL.Image")
 
 cifar = pytest.importorskip("tensorflow_datasets.image_classification.cifar")
 mnist = pytest.importorskip("tensorflow_datasets.image_classification.mnist")
+mocking = pytest.importorskip("tensorflow_datasets.testing.mocking")
 
 _HAS_TF = importlib.util.find_spec("tensorflow") is not None
 
@@ -171,3 +172,24 @@ def test_load_tfds_downloads_only_when_asked(tmp_path, monkeypatch):
   assert ds.images.shape == (6, 28, 28, 1)
   data.load("mnist", data_dir=str(tmp_path), download=True)   # prepared: no download
   assert len(calls) == 1
+
+
+def _mock_getitems(record_keys, generator, serialized=False):
+  """TFDS 4.9's mock data source binds its batch read `__getitems__` without the
+  source (`partial(_getitems, generator=...)` as an instance attribute), so a batch
+  read raises TypeError; this is that read with the argument it is given."""
+  return [mocking._getitem(None, key, generator, serialized) for key in record_keys]
+
+
+def test_download_reads_what_tfds_prepared_under_tfds_mock_data(tmp_path, monkeypatch):
+  """With TFDS's own mock data (no network, no files) `download=True` asks TFDS to
+  prepare the dataset and reads the array_record splits TFDS serves."""
+  monkeypatch.setattr(mocking, "_getitems", _mock_getitems)
+  with tfds.testing.mock_data(num_examples=7, policy=tfds.testing.MockPolicy.USE_CODE):
+    with pytest.raises(FileNotFoundError, match="pflax-run --download"):
+      data.load("mnist", data_dir=str(tmp_path))
+    ds = data.load("mnist", data_dir=str(tmp_path), download=True)
+  assert ds.images.shape == (14, 28, 28, 1) and ds.images.dtype == np.float32
+  assert 0.0 <= ds.images.min() and ds.images.max() <= 1.0
+  assert ds.labels.shape == (14,) and set(ds.labels) <= set(range(10))
+  assert not any(tmp_path.iterdir())   # nothing downloaded or written

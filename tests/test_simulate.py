@@ -4,6 +4,7 @@ import dataclasses
 import json
 import logging
 import os
+import time
 
 import jax
 import numpy as np
@@ -91,22 +92,30 @@ class _Killed(Exception):
   pass
 
 
+SLOW_ROUND_SECONDS = 1.5
+
+
 @pytest.mark.parametrize(
     "name", ["cwfedavg", pytest.param("fedrema", marks=pytest.mark.slow)])
 def test_resume_after_kill_equals_uninterrupted(setup, tmp_path, name):
   config = dataclasses.replace(CONFIG, rounds=4)
   uninterrupted = simulate.run(name, config, 0, setup=setup)
 
-  def kill_at_round_3(record):
+  def slow_round_1_then_kill_at_round_3(record):
+    if record.round == 1:
+      time.sleep(SLOW_ROUND_SECONDS)
     if record.round == 3:
       raise _Killed
 
   with pytest.raises(_Killed):
-    simulate.run(name, config, 0, setup=setup, on_round=kill_at_round_3,
+    simulate.run(name, config, 0, setup=setup,
+                 on_round=slow_round_1_then_kill_at_round_3,
                  checkpoint_dir=str(tmp_path), checkpoint_every=2)
   resumed = simulate.run(name, config, 0, setup=setup,
                          checkpoint_dir=str(tmp_path), resume=True)
   assert _without_time(resumed) == _without_time(uninterrupted)
+  # `seconds` covers the whole run: the rounds before the checkpoint included.
+  assert resumed.seconds >= SLOW_ROUND_SECONDS
 
 
 def test_non_finite_client_is_dropped_and_others_continue(setup):

@@ -20,7 +20,7 @@ def _pyplot():
   return plt
 
 
-def color(algorithm: str) -> str:
+def algorithm_color(algorithm: str) -> str:
   """An algorithm's colour, the same in every plot: pflax's eight in the order of
   `pflax.algorithms.BUILDERS`, any other name by a hash of it."""
   names = tuple(builders.BUILDERS)
@@ -40,8 +40,9 @@ def title(config: dict[str, Any]) -> str:
           f"{config.get('clients', '?')} clients, seeds {seeds or '?'}")
 
 
-def accuracy_curves(results: records.Results, path: str) -> None:
-  """Personalized accuracy per round, mean over seeds, one line per algorithm."""
+def accuracy_figure(results: records.Results) -> Any:
+  """A matplotlib figure of the personalized accuracy per round, mean over seeds,
+  one line per algorithm in its colour (`algorithm_color`)."""
   plt = _pyplot()
   fig, ax = plt.subplots(figsize=(7, 4.5))
   for name in dict.fromkeys(r.label for r in results.runs):
@@ -49,15 +50,22 @@ def accuracy_curves(results: records.Results, path: str) -> None:
     curves = [r.curve() for r in runs]
     acc = np.mean([accs for _, accs in curves], axis=0)
     style = "-" if not runs[0].hyperparameter else "--"
-    ax.plot(curves[0][0], 100 * acc, style, label=name, color=color(runs[0].algorithm))
+    ax.plot(curves[0][0], 100 * acc, style, label=name,
+            color=algorithm_color(runs[0].algorithm))
   ax.set_title(title(results.config), fontsize=9)
   ax.set_xlabel("round")
   ax.set_ylabel("personalized accuracy (%)")
   ax.grid(alpha=0.3)
   ax.legend(fontsize=8)
   fig.tight_layout()
+  return fig
+
+
+def accuracy_curves(results: records.Results, path: str) -> None:
+  """Writes `accuracy_figure(results)` as a PNG to `path`."""
+  fig = accuracy_figure(results)
   fig.savefig(path, dpi=120)
-  plt.close(fig)
+  _pyplot().close(fig)
 
 
 def norm_heatmaps(results: records.Results, path: str) -> None:

@@ -94,14 +94,16 @@ def _not_prepared_message(name: str, builder) -> str:
       "'digits' to work fully offline.")
 
 
-def _read_split(tfds, builder, split: str) -> tuple[np.ndarray, np.ndarray]:
+def _read_split(tfds, builder, split: str, random_access: bool
+                ) -> tuple[np.ndarray, np.ndarray]:
   """Returns `(uint8 images, integer labels)` of one prepared split.
 
-  Random-access formats (array_record) are read with `as_data_source`, which needs
-  no TensorFlow; other formats (tfrecord) are read with `as_dataset`, which does.
+  Random-access formats (array_record, or `random_access`: just prepared as
+  array_record) are read with `as_data_source`, which needs no TensorFlow;
+  other formats (tfrecord) are read with `as_dataset`, which does.
   """
   formats = builder.info.available_file_formats()
-  if formats & tfds.core.FileFormat.with_random_access():
+  if random_access or formats & tfds.core.FileFormat.with_random_access():
     source = builder.as_data_source(split=split)
     examples = source.__getitems__(range(len(source)))
     return (np.stack([ex["image"] for ex in examples]),
@@ -151,12 +153,14 @@ def load_tfds(name: str, *, data_dir: str | None = None,
     raise ValueError(f"name must be one of {TFDS_NAMES}, got {name!r}.")
   tfds = _import_tfds()
   builder = tfds.builder(name, data_dir=data_dir, try_gcs=False)
-  if not builder.is_prepared() and download:
+  prepared_now = not builder.is_prepared()
+  if prepared_now:
+    if not download:
+      raise FileNotFoundError(_not_prepared_message(name, builder))
     builder.download_and_prepare(file_format="array_record")
     builder = tfds.builder(name, data_dir=data_dir, try_gcs=False)
-  if not builder.is_prepared():
-    raise FileNotFoundError(_not_prepared_message(name, builder))
-  images, labels = zip(*(_read_split(tfds, builder, split) for split in _SPLITS))
+  images, labels = zip(*(_read_split(tfds, builder, split, prepared_now)
+                         for split in _SPLITS))
   images = np.concatenate(images).astype(np.float32) / 255.0
   labels = np.concatenate(labels).astype(np.int32) - _FIRST_LABEL.get(name, 0)
   return Dataset(images, labels, _NUM_CLASSES[name], name)
