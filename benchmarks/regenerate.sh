@@ -15,6 +15,7 @@ if [[ "${1:-}" == "--quick" ]]; then
   python benchmarks/sweeps.py --quick
   python benchmarks/many_clients.py --quick
   python benchmarks/reproduce.py --quick
+  python benchmarks/flower_traffic.py --quick
   exit 0
 fi
 python benchmarks/aggregators.py | tee "$results/aggregators.md"
@@ -26,3 +27,4 @@ python benchmarks/training.py --clients 10 20 50 100 200 500 1000 --impls "pflax
 python benchmarks/sweeps.py --out "$results/sweeps.md"
 python benchmarks/many_clients.py | tee "$results/many_clients.md"
 python benchmarks/reproduce.py                    # reproduction.md, reproduction-*.json, reproduction.png
+python benchmarks/flower_traffic.py --out "$results/flower_traffic.md"

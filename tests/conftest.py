@@ -6,6 +6,11 @@
 # derandomized, so that CI cannot fail on a draw nobody has seen before).
 import os
 
+# Flower (tests/test_flower*.py) sends telemetry and checks for updates unless
+# told not to: no test may reach the network.
+os.environ["FLWR_TELEMETRY_ENABLED"] = "0"
+os.environ["FLWR_DISABLE_UPDATE_CHECK"] = "1"
+
 from hypothesis import HealthCheck
 from hypothesis import Phase
 from hypothesis import settings

@@ -2,6 +2,7 @@
 
 import argparse
 import dataclasses
+import importlib.util
 import inspect
 import json
 import os
@@ -115,6 +116,16 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--coordinator-address", default=None, help="host:port of process 0")
   p.add_argument("--num-processes", type=int, default=None, help="processes in all")
   p.add_argument("--process-id", type=int, default=None, help="this process (0: writes)")
+  p.add_argument("--flower", nargs="?", const="deployment", default=None,
+                 choices=("deployment", "simulation"),
+                 help="run each algorithm and seed as a Flower federation (pip "
+                      "install 'pflax[flower]'): 'deployment' (the default when "
+                      "given alone) starts a SuperLink and one SuperNode per client "
+                      "as processes on 127.0.0.1; 'simulation' a SuperLink with "
+                      "Flower's simulation engine (Ray)")
+  p.add_argument("--flower-timeout", type=float, default=600.0,
+                 help="seconds the Flower server waits for a round's replies; a "
+                      "client that has not replied by then is dropped")
   p.add_argument("--sequential", action="store_true",
                  help="run seeds one after another instead of as one sweep")
   p.add_argument("--out", default="runs/latest", help="output directory")
@@ -236,19 +247,20 @@ def config_from_args(args: argparse.Namespace, given: set[str]
       args.algorithms = list(preset.algorithms)
   if args.config:
     saved = _loaded(args.config)
+    run_level = ("algorithms", "seeds", "devices", "sweep", "preset", "flower")
     unknown = set(saved) - set(CONFIG_FIELDS) - {"optimizers", "hyperparameters",
-                                                  "algorithms", "seeds", "devices",
-                                                  "sweep", "preset"}
+                                                  *run_level}
     if unknown:
       raise _fail(f"--config {args.config}: unknown keys {', '.join(sorted(unknown))}")
-    base.update({k: v for k, v in saved.items()
-                 if k not in ("algorithms", "seeds", "devices", "sweep", "preset")})
+    base.update({k: v for k, v in saved.items() if k not in run_level})
     for key, dest in (("algorithms", "algorithms"), ("seeds", "seeds"),
                       ("devices", "devices")):
       if key in saved and dest not in given:
         setattr(args, dest, saved[key])
     if "sweep" in saved and "sweep" not in given and saved["sweep"]:
       (args.sweep, args.values), = saved["sweep"].items()
+    if saved.get("flower") and "flower" not in given:
+      args.flower = saved["flower"]["engine"]
   flags = {f: getattr(args, f) for f in CONFIG_FIELDS if f in given or f not in base}
   try:
     config = simulate.ExperimentConfig(**{**base, **flags})
@@ -357,6 +369,71 @@ def _check_run_flags(args: argparse.Namespace) -> None:
     raise _fail(f"--out {args.out} cannot be written: {e.strerror}") from None
 
 
+def _check_flower_flags(args: argparse.Namespace, config: simulate.ExperimentConfig
+                        ) -> None:
+  """One-line errors for what a Flower federation does not run."""
+  for flag, used in (("--devices", args.devices), ("--sweep", args.sweep),
+                     ("--distributed", args.distributed),
+                     ("--checkpoint-every", args.checkpoint_every),
+                     ("--resume", args.resume)):
+    if used:
+      raise _fail(f"{flag} is for simulations; --flower runs each seed as a "
+                  "federation of its own")
+  if args.flower_timeout <= 0:
+    raise _fail(f"--flower-timeout must be > 0, got {args.flower_timeout}")
+  try:
+    from pflax._src import flower  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    raise _fail("--flower needs Flower: pip install 'pflax[flower]'") from None
+  if args.flower == "simulation" and importlib.util.find_spec("ray") is None:
+    raise _fail("--flower simulation needs Flower's simulation engine: pip install "
+                "'flwr[simulation]'")
+  for name in args.algorithms:
+    try:
+      flower.Experiment(name, config, args.seeds[0]).check()
+    except ValueError as e:
+      raise _fail(f"--flower: {_flag_message(e)}") from None
+
+
+def _federation_env(args: argparse.Namespace) -> dict[str, str]:
+  """The environment of the federation's processes: the current directory on the
+  Python path (for `--algorithms module:builder`) and JAX's compilation cache."""
+  path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
+  env = {"PYTHONPATH": path}
+  if not args.no_compilation_cache:
+    env.update(JAX_COMPILATION_CACHE_DIR=compilation_cache_dir(),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.1")
+  return env
+
+
+def _federate(config: simulate.ExperimentConfig, args: argparse.Namespace
+              ) -> tuple[list[records.RunRecord], dict[str, Any]]:
+  """Every algorithm and seed as a Flower federation (`--flower`): the runs, and
+  results.json's `config["flower"]` (engine, Flower's version, bytes per round)."""
+  import flwr  # pylint: disable=import-outside-toplevel
+  from pflax._src import flower  # pylint: disable=import-outside-toplevel
+  from pflax._src import flower_deploy  # pylint: disable=import-outside-toplevel
+  runs, traffic = [], {}
+  with flower_deploy.LocalFederation(config.clients, env=_federation_env(args),
+                                     simulation=args.flower == "simulation"
+                                     ) as federation:
+    for name in args.algorithms:
+      for seed in args.seeds:
+        bar = _progress(config.rounds, f"{name} seed {seed} (flower)",
+                        not args.no_progress)
+        results = federation.run(
+            flower.Experiment(name, config, seed),
+            os.path.join(federation.workdir, f"run-{len(runs)}"),
+            timeout=args.flower_timeout, on_round=lambda n: bar.update(n - bar.n))
+        bar.close()
+        run, = results.runs
+        _report(run)
+        runs.append(run)
+        traffic[f"{name} seed {seed}"] = results.config["flower"]["bytes_per_round"]
+  return runs, {"engine": args.flower, "version": flwr.__version__,
+                "bytes_per_round": traffic}
+
+
 def _report(run: records.RunRecord) -> None:
   summary = run.summary()
   print(f"{run.label:12s} seed {run.seed}: personalized best {summary.best:.4f} "
@@ -429,6 +506,8 @@ def _main(args: argparse.Namespace, given: set[str]) -> int:
     print(json.dumps(_config_dict(config, args), indent=1))
     return 0
   _check_run_flags(args)
+  if args.flower:
+    _check_flower_flags(args, config)
   _use_compilation_cache(args)
   if args.distributed:
     jax.distributed.initialize(coordinator_address=args.coordinator_address,
@@ -438,8 +517,11 @@ def _main(args: argparse.Namespace, given: set[str]) -> int:
   if args.download:
     datasets.load(config.dataset, data_dir=config.data_dir, download=True)
   setups = {seed: simulate.prepare(config, seed) for seed in args.seeds}
+  recorded = _config_dict(config, args)
   runs = []
-  for name in args.algorithms:
+  if args.flower:
+    runs, recorded["flower"] = _federate(config, args)
+  for name in [] if args.flower else args.algorithms:
     if _swept(args):
       runs += _sweep(name, config, args, args.seeds, setups)
     else:
@@ -447,8 +529,8 @@ def _main(args: argparse.Namespace, given: set[str]) -> int:
         runs += _sweep(name, config, args, [seed], setups)
   if jax.process_index() != 0:
     return 0
-  results = records.Results(_config_dict(config, args),
-                            setups[args.seeds[0]].federation.counts, tuple(runs))
+  results = records.Results(recorded, setups[args.seeds[0]].federation.counts,
+                            tuple(runs))
   results.save(os.path.join(args.out, "results.json"))
   written = plots.write_all(results, args.out)
   print(_table(runs))

@@ -11,6 +11,7 @@
 
 import dataclasses
 import json
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -187,9 +188,12 @@ class Results:
                tuple(RunRecord.from_json(r) for r in d["runs"]))
 
   def save(self, path: str) -> None:
-    """Writes the results as JSON to `path`."""
-    with open(path, "w", encoding="utf-8") as f:
+    """Writes the results as JSON to `path`, atomically (a temporary file renamed
+    over it), so a reader never sees a partial file."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
       json.dump(self.to_json(), f, indent=1)
+    os.replace(tmp, path)
 
   @classmethod
   def load(cls, path: str) -> "Results":

@@ -234,16 +234,34 @@ def _algorithm_name(algorithm: str | Builder) -> str:
   return algorithm if isinstance(algorithm, str) else algorithm.__name__
 
 
-def _plan(algorithm: str | Builder, config: ExperimentConfig, setup: Setup,
-          num_clients: int, strategy: str, swept: str | None) -> engine.Plan:
-  """The engine's plan of an experiment (host checks of the builder included)."""
+def _builder_arguments(algorithm: str | Builder, config: ExperimentConfig
+                       ) -> tuple[Builder, dict[str, Any], dict[str, Any]]:
+  """`(builder, optimizer fields, builder keywords)` of an algorithm in `config`."""
   name = _algorithm_name(algorithm)
   builder = resolve_builder(algorithm) if isinstance(algorithm, str) else algorithm
   optimizer = {f: getattr(config, f) for f in OPTIMIZER_FIELDS}
   optimizer.update(config.optimizers.get(name, {}))
+  return builder, optimizer, dict(config.hyperparameters.get(name, {}))
+
+
+def build_algorithm(algorithm: str | Builder, config: ExperimentConfig,
+                    input_shape: tuple[int, ...], num_classes: int
+                    ) -> tuple[alg.Algorithm, nn.Module]:
+  """`(algorithm, model)` of an experiment, as a run builds them (one architecture),
+  for inputs of `input_shape` in `num_classes` classes."""
+  builder, optimizer, keywords = _builder_arguments(algorithm, config)
+  model = models.get_model(_model_name(config.model, input_shape), num_classes,
+                           input_shape)
+  return builder(model, client_optimizer(**optimizer), **keywords), model
+
+
+def _plan(algorithm: str | Builder, config: ExperimentConfig, setup: Setup,
+          num_clients: int, strategy: str, swept: str | None) -> engine.Plan:
+  """The engine's plan of an experiment (host checks of the builder included)."""
+  builder, optimizer, keywords = _builder_arguments(algorithm, config)
   build = _Build(builder, setup.model, setup.num_classes, num_clients,
                  config.heterogeneous, tuple(sorted(optimizer.items())),
-                 tuple(sorted(config.hyperparameters.get(name, {}).items())), swept)
+                 tuple(sorted(keywords.items())), swept)
   build.algorithm(setup.model, None)  # the builder's own checks, on the host
   return engine.Plan(build=build, num_clients=config.clients,
                      participation=config.participation,
@@ -274,12 +292,8 @@ def check_config(config: ExperimentConfig) -> None:
 def check_algorithm(algorithm: str | Builder, config: ExperimentConfig) -> None:
   """Raises ValueError if `algorithm`'s builder refuses its hyperparameters in `config`
   (builds it once with a placeholder model; nothing is compiled)."""
-  name = _algorithm_name(algorithm)
-  builder = resolve_builder(algorithm) if isinstance(algorithm, str) else algorithm
-  optimizer = {f: getattr(config, f) for f in OPTIMIZER_FIELDS}
-  optimizer.update(config.optimizers.get(name, {}))
-  builder(models.MLP(2), client_optimizer(**optimizer),
-          **config.hyperparameters.get(name, {}))
+  builder, optimizer, keywords = _builder_arguments(algorithm, config)
+  builder(models.MLP(2), client_optimizer(**optimizer), **keywords)
 
 
 def _check_grid(seeds: Sequence[int], swept: str | None, values: Sequence[float],

@@ -1,0 +1,64 @@
+"""pflax's algorithms in a real federation with Flower (`pip install 'pflax[flower]'`).
+
+`PflaxStrategy` is a Flower strategy whose server step is a pflax algorithm's,
+on the stacked uploads of the round; `client_app()` trains it on a node;
+`server_app()` runs an `Experiment`. Three ways to run them:
+
+- `LocalFederation`: Flower's deployment engine on this machine, a SuperLink
+  and one SuperNode per client as separate processes on 127.0.0.1
+  (`pflax-run --flower`);
+- `LocalFederation(..., simulation=True)`: Flower's simulation engine (a
+  SuperLink running the clients as Ray actors; `pflax-run --flower simulation`);
+- `run_in_process`: real Flower messages delivered by `InProcessGrid` in this
+  process, with no SuperLink (tests, notebooks, debugging).
+
+For a federation across machines: `write_app` and `write_run_config` make
+what `flwr run` submits to your SuperLink; start each SuperNode with
+`--node-config 'partition-id=I'`, and give `client_app` your own data function
+for clients that hold their own data (README, "A real federation with Flower").
+"""
+
+from pflax._src.flower import Experiment
+from pflax._src.flower import InProcessGrid
+from pflax._src.flower import PflaxStrategy
+from pflax._src.flower import client_app
+from pflax._src.flower import client_id
+from pflax._src.flower import from_record
+from pflax._src.flower import in_process_nodes
+from pflax._src.flower import pack
+from pflax._src.flower import run_in_process
+from pflax._src.flower import server_app
+from pflax._src.flower import simulated_partition
+from pflax._src.flower import to_record
+from pflax._src.flower import unpack
+from pflax._src.flower_deploy import LocalFederation
+from pflax._src.flower_deploy import write_app
+from pflax._src.flower_deploy import write_run_config
+from pflax._src.protocol import ClientData
+
+clientapp = client_app()
+"""The ClientApp of `pflax-run --flower` (its client of the simulated partition)."""
+serverapp = server_app()
+"""The ServerApp of `pflax-run --flower` (its experiment from the run config)."""
+
+__all__ = (
+    "ClientData",
+    "Experiment",
+    "InProcessGrid",
+    "LocalFederation",
+    "PflaxStrategy",
+    "client_app",
+    "client_id",
+    "clientapp",
+    "from_record",
+    "in_process_nodes",
+    "pack",
+    "run_in_process",
+    "server_app",
+    "serverapp",
+    "simulated_partition",
+    "to_record",
+    "unpack",
+    "write_app",
+    "write_run_config",
+)
