@@ -89,6 +89,7 @@ def _engine_faulty(seed, config, server_round):
       jax.random.fold_in(sample_key, engine.FAULT_STREAM), took_part, count)).tolist())
 
 
+@pytest.mark.slow
 def test_a_client_that_disconnects_mid_round_is_dropped_as_a_faulty_one():
   """A lost reply is exactly the engine's faulty upload: that client is dropped
   from the round and every other client goes on as in the simulation."""
