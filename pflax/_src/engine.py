@@ -55,6 +55,11 @@ def round_keys(round_key: chex.PRNGKey, t: int | chex.Array) -> chex.Array:
   return jax.random.split(jax.random.fold_in(round_key, t), 3)
 
 
+def client_keys(key: chex.PRNGKey, ids: chex.Array) -> chex.Array:
+  """The training keys `fold_in(key, i)` of the clients `ids` (of one group)."""
+  return jax.vmap(jax.random.fold_in, (None, 0))(key, ids)
+
+
 def num_participants(participation: float, num_clients: int) -> int:
   """`max(1, round(participation * M))` clients take part in a round."""
   return max(1, int(round(participation * num_clients)))
@@ -210,8 +215,8 @@ def _client_inputs(member: alg.Algorithm, start: Any, opt_state: Any, context: A
                else train_lib.init_opt_state(member.optimizer, start))
   x, y, valid = _take(chosen, (fed.x, fed.y, fed.valid))
   ids = jnp.arange(fed.x.shape[0]) if chosen is None else chosen
-  keys = jax.vmap(jax.random.fold_in, (None, 0))(key, ids)
-  return ClientInputs(start, opt_state, _take(chosen, context), x, y, valid, keys)
+  return ClientInputs(start, opt_state, _take(chosen, context), x, y, valid,
+                      client_keys(key, ids))
 
 
 def _to_clients(parts: tuple[Any, ...], groups: groups_lib.Groups, m: int) -> chex.Array:

@@ -96,14 +96,13 @@ def training_keys(seed: int, t: int, num_clients: int) -> tuple[np.ndarray, ...]
   """Round `t`'s (from 0) participant key, `(M, 2)` client key data, server key."""
   sample_key, train_key, server_key = engine.round_keys(engine.run_keys(seed)[2], t)
   group_key = jax.random.fold_in(train_key, 0)    # one architecture group
-  keys = jax.vmap(jax.random.fold_in, (None, 0))(group_key, jnp.arange(num_clients))
+  keys = engine.client_keys(group_key, jnp.arange(num_clients))
   return sample_key, np.asarray(jax.random.key_data(keys)), server_key
 
 
 def warmup_keys(seed: int, num_clients: int) -> np.ndarray:
   """`(M, 2)` key data of the clients' warm-up training keys."""
-  key = engine.run_keys(seed)[1]
-  keys = jax.vmap(jax.random.fold_in, (None, 0))(key, jnp.arange(num_clients))
+  keys = engine.client_keys(engine.run_keys(seed)[1], jnp.arange(num_clients))
   return np.asarray(jax.random.key_data(keys))
 
 
