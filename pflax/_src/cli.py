@@ -140,6 +140,10 @@ def _parser() -> argparse.ArgumentParser:
   return p
 
 
+CACHE_MIN_COMPILE_SECONDS = 0.1
+"""Programs that compile faster than this are not cached (JAX's threshold)."""
+
+
 def compilation_cache_dir() -> str:
   """Where `pflax-run` keeps JAX's persistent compilation cache: `$PFLAX_CACHE_DIR`,
   else `$XDG_CACHE_HOME/pflax/jax` (`~/.cache/pflax/jax`)."""
@@ -401,8 +405,9 @@ def _federation_env(args: argparse.Namespace) -> dict[str, str]:
   path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
   env = {"PYTHONPATH": path}
   if not args.no_compilation_cache:
-    env.update(JAX_COMPILATION_CACHE_DIR=compilation_cache_dir(),
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.1")
+    env.update(
+        JAX_COMPILATION_CACHE_DIR=compilation_cache_dir(),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=str(CACHE_MIN_COMPILE_SECONDS))
   return env
 
 
@@ -477,7 +482,8 @@ def _use_compilation_cache(args: argparse.Namespace) -> None:
   if args.no_compilation_cache or jax.config.jax_compilation_cache_dir:
     return
   jax.config.update("jax_compilation_cache_dir", compilation_cache_dir())
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                    CACHE_MIN_COMPILE_SECONDS)
 
 
 def _resume_notice(args: argparse.Namespace) -> None:
@@ -521,12 +527,13 @@ def _main(args: argparse.Namespace, given: set[str]) -> int:
   runs = []
   if args.flower:
     runs, recorded["flower"] = _federate(config, args)
-  for name in [] if args.flower else args.algorithms:
-    if _swept(args):
-      runs += _sweep(name, config, args, args.seeds, setups)
-    else:
-      for seed in args.seeds:
-        runs += _sweep(name, config, args, [seed], setups)
+  else:
+    for name in args.algorithms:
+      if _swept(args):
+        runs += _sweep(name, config, args, args.seeds, setups)
+      else:
+        for seed in args.seeds:
+          runs += _sweep(name, config, args, [seed], setups)
   if jax.process_index() != 0:
     return 0
   results = records.Results(recorded, setups[args.seeds[0]].federation.counts,
