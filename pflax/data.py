@@ -1,13 +1,18 @@
-"""Datasets, federated partitions, stacked client data (NumPy, host side), augmentation."""
+"""Datasets (bundled, from arrays, IDX and .npz files, TFDS), federated partitions,
+stacked client data (NumPy, host side), augmentation."""
 
+from pflax._src.data.arrays import Dataset
+from pflax._src.data.arrays import from_arrays
+from pflax._src.data.arrays import pooled
 from pflax._src.data.augment import translate
 from pflax._src.data.clients import ClientData
 from pflax._src.data.clients import stack_clients
-from pflax._src.data.datasets import Dataset
 from pflax._src.data.datasets import load
 from pflax._src.data.datasets import load_digits
 from pflax._src.data.datasets import load_tfds
 from pflax._src.data.dirichlet import dirichlet
+from pflax._src.data.files import load_idx
+from pflax._src.data.files import load_npz
 from pflax._src.data.federation import Federation
 from pflax._src.data.federation import federate
 from pflax._src.data.federation import stack_federations
@@ -15,6 +20,7 @@ from pflax._src.data.groups import groups
 from pflax._src.data.partition import Partition
 from pflax._src.data.partition import class_counts
 from pflax._src.data.pathological import pathological
+from pflax._src.data.split import deal_test_split
 from pflax._src.data.split import train_test_split
 
 __all__ = (
@@ -23,13 +29,18 @@ __all__ = (
     "Federation",
     "Partition",
     "class_counts",
+    "deal_test_split",
     "dirichlet",
     "federate",
+    "from_arrays",
     "groups",
     "load",
     "load_digits",
+    "load_idx",
+    "load_npz",
     "load_tfds",
     "pathological",
+    "pooled",
     "stack_clients",
     "stack_federations",
     "train_test_split",

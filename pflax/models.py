@@ -1,4 +1,5 @@
-"""Flax models split into ``features`` and ``classifier`` submodules."""
+"""pflax's Flax models (``features`` and ``classifier`` submodules), and `Parts`:
+which layers of any Flax model pflax's methods read."""
 
 from pflax._src.models import CNN
 from pflax._src.models import ConvFeatures
@@ -10,6 +11,9 @@ from pflax._src.models import heterogeneous_family
 from pflax._src.models import init_stacked
 from pflax._src.models import max_pool_2x2
 from pflax._src.models import MLP
+from pflax._src.parts import Parts
+from pflax._src.parts import model_parts
+from pflax._src.parts import output_kernel
 
 __all__ = (
     "CNN",
@@ -22,4 +26,7 @@ __all__ = (
     "init_stacked",
     "max_pool_2x2",
     "MLP",
+    "Parts",
+    "model_parts",
+    "output_kernel",
 )

@@ -1,8 +1,11 @@
-"""Federated simulation: configure an experiment, run it, sweep it, read its records."""
+"""Federated simulation: configure an experiment, run it, sweep it, read, tabulate and
+plot its records."""
 
 from pflax._src.engine import output_norms
 from pflax._src.engine import participants
 from pflax._src.plots import algorithm_color
+from pflax._src.plots import plot_accuracy
+from pflax._src.plots import plot_output_norms
 from pflax._src.records import Accuracy
 from pflax._src.records import Results
 from pflax._src.records import RoundRecord
@@ -31,6 +34,8 @@ __all__ = (
     "client_shardings",
     "output_norms",
     "participants",
+    "plot_accuracy",
+    "plot_output_norms",
     "prepare",
     "resolve_builder",
     "run",

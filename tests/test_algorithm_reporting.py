@@ -10,7 +10,6 @@ import optax
 from pflax import algorithms
 from pflax import models
 from pflax import simulate
-from pflax._src import cli
 from pflax._src import engine
 from pflax._src import losses
 from pflax._src import prng
@@ -116,11 +115,12 @@ def _run(name, weighted, mean, std, global_=None, exclusive=None):
 
 
 def test_table_shows_exclusive_and_per_client_columns():
-  table = cli._table([_run("fedavg", 0.9, 0.8, 0.1, global_=0.5),
-                      _run("feddwa", 0.95, 0.9, 0.05, exclusive=0.4)]).splitlines()
+  runs = [_run("fedavg", 0.9, 0.8, 0.1, global_=0.5),
+          _run("feddwa", 0.95, 0.9, 0.05, exclusive=0.4)]
+  table = simulate.Results.of(runs).table().splitlines()
   assert "global final | exclusive final" in table[0]
   cells = lambda row: [c.strip() for c in row.strip("|").split("|")]
-  assert cells(table[2]) == ["fedavg", "90.00 ± 0.00", "90.00 ± 0.00", "80.00 (10.00)",
-                             "50.00 ± 0.00", "—"]
-  assert cells(table[3]) == ["feddwa", "95.00 ± 0.00", "95.00 ± 0.00", "90.00 (5.00)",
-                             "—", "40.00 ± 0.00"]
+  assert cells(table[2]) == ["fedavg", "90.00", "90.00", "90.00", "80.00 (10.00)",
+                             "50.00", "—"]
+  assert cells(table[3]) == ["feddwa", "95.00", "95.00", "95.00", "90.00 (5.00)", "—",
+                             "40.00"]

@@ -311,6 +311,40 @@ def test_local_loss_value_by_hand(name):
                                atol=1e-5)
 
 
+@pytest.mark.parametrize("rho", [0.0, 0.8])
+def test_fedclassavg_without_supcon_is_ce_on_the_first_view_plus_prox(rho):
+  """`supcon=False` (the paper's Table 4 ablation): CE on the first augmented view
+  (the same view as with SupCon) plus rho/2 sum_tensors mean((C - C_g)^2); rho = 0
+  leaves CE alone. Random images, so the view is a real translation."""
+  optimizer = simulate.client_optimizer("adam", ADAM_LR, adam_b1=ADAM_B1)
+  kwargs = dict(KWARGS["fedclassavg"], rho=rho)
+  without = algorithms.classifier_averaging(MODEL, optimizer, supcon=False, **kwargs)
+  with_supcon = algorithms.classifier_averaging(MODEL, optimizer, **kwargs)
+  rng = np.random.default_rng(6)
+  batch = BATCH._replace(x=jnp.asarray(rng.uniform(size=(5, *IMAGE)), jnp.float32))
+  state = _init(without)
+  head = _rows(without.client_context(state), 0)
+  q = _rows(_random_params(np.random.default_rng(4), M), 0)
+  key = prng.key(7)
+  view1 = data.translate(jax.random.split(key)[0], batch.x)
+  assert not np.allclose(view1, batch.x)
+  ce = ref.cross_entropy_ref(_np_forward(q, view1)[1], np.asarray(batch.y),
+                             np.asarray(batch.mask))
+  prox = ref.proximal_ref(q["classifier"]["output"], _np(head)["classifier"]["output"],
+                          reduce="mean")
+  got = without.loss(q, head, batch, key)
+  np.testing.assert_allclose(got, ce + rho * prox, rtol=2e-5, atol=1e-6)
+  z1, z2 = (_np_forward(q, v)[0]
+            for v in (view1, data.translate(jax.random.split(key)[1], batch.x)))
+  mask, labels = np.asarray(batch.mask), np.asarray(batch.y)
+  contrast = ref.supcon_ref(np.concatenate([z1, z2]), np.concatenate([labels, labels]),
+                            kwargs["supcon_temperature"],
+                            kwargs["supcon_base_temperature"],
+                            np.concatenate([mask, mask]))
+  np.testing.assert_allclose(with_supcon.loss(q, head, batch, key),
+                             ce + rho * prox + contrast, rtol=2e-5, atol=1e-5)
+
+
 # -------------------------------------------------------- optimizer lifecycle
 
 
@@ -591,3 +625,63 @@ def test_padded_clients_are_neither_aggregated_nor_peers(name):
   np.testing.assert_array_equal(metrics.healthy, real)
   _assert_evaluated(algorithm, state,
                     _expected(name, INIT, upload, fed.num_samples, real))
+
+
+# ------------------------------------- cwFedAvg under partial participation
+
+
+def _cw_two_rounds(first, second, mask):
+  """cwFedAvg's state after a full round uploading `first`, then a round in which
+  only `mask` upload `second`."""
+  algorithm = _algorithm("cwfedavg")
+  step = _server_update("cwfedavg")
+  state = step(_init(algorithm), first, jnp.ones(M, bool), KEY)
+  return algorithm, step(state, second, jnp.asarray(mask), KEY)
+
+
+def test_cwfedavg_class_models_sum_over_every_client_that_uploaded():
+  """Eq. 6 over all M clients (Alg. 1, line 9): absent clients count with their
+  latest upload and their latest p~."""
+  second = jax.tree.map(lambda x: 1.5 * x, TRAINED)
+  mask = np.arange(M) != ABSENT
+  algorithm, state = _cw_two_rounds(TRAINED, second, mask)
+  uploads = _where(mask, second, TRAINED)
+  out, rest = _split_output(uploads)
+  dist = ref.estimate_class_dist_ref(out["kernel"])
+  class_models = ref.class_models_ref(out, dist, N.astype(np.float64))
+  chex.assert_trees_all_close(_np(state.class_models["classifier"]["output"]),
+                              class_models, rtol=1e-5, atol=1e-6)
+  personal = ref.personalize_ref(class_models, dist)
+  on = np.flatnonzero(mask)
+  rest = _broadcast(ref.fedavg_ref(_rows(_split_output(_np(second))[1], on),
+                                   N[on].astype(np.float64)), M)
+  _assert_evaluated(algorithm, state, {"personalized": _with_output(rest, personal)})
+
+
+def _holding(params, holder, cls):
+  """Output kernels in which only `holder` has a large weight vector for `cls`."""
+  out = params["classifier"]["output"]
+  scale = np.full((M, 1, K), 1.0)
+  scale[:, :, cls] = 1e-3
+  scale[holder, :, cls] = 30.0
+  return _with_output(params, {**out, "kernel": out["kernel"] * scale})
+
+
+def test_cwfedavg_class_held_only_by_absent_clients_keeps_its_model():
+  """Regression (issue 21): when every holder of class 0 sits out a round, class 0's
+  model must not become the average of the participants, which hold none of it
+  (their p~ for it is small but never zero); it stays the holder's."""
+  holder, cls = ABSENT, 0
+  first = _holding(TRAINED, holder, cls)
+  second = _holding(jax.tree.map(lambda x: -x, TRAINED), holder, cls)
+  mask = np.arange(M) != holder
+  _, state = _cw_two_rounds(first, second, mask)
+  got = _np(state.class_models["classifier"]["output"])
+  holders_layer = _np(first["classifier"]["output"])
+  participants = ref.fedavg_ref(_rows(_np(second["classifier"]["output"]),
+                                      np.flatnonzero(mask)), N[mask].astype(np.float64))
+  for name in ("kernel", "bias"):
+    own = holders_layer[name][holder]
+    error = np.linalg.norm(got[name][cls] - own) / np.linalg.norm(own)
+    old_rule = np.linalg.norm(participants[name] - own) / np.linalg.norm(own)
+    assert error < 0.05 < old_rule, (name, error, old_rule)

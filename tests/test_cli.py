@@ -134,6 +134,116 @@ def test_download_flag_asks_tfds_to_prepare_first(monkeypatch, tmp_path):
 
 def test_without_download_a_missing_dataset_fails_fast(tmp_path):
   pytest.importorskip("tensorflow_datasets")
-  with pytest.raises(FileNotFoundError, match="pflax-run --download"):
+  with pytest.raises(SystemExit, match="^pflax-run: (?s:.*)--download"):
     cli.main(SMALL + ["--dataset", "mnist", "--data-dir", str(tmp_path),
                       "--out", str(tmp_path / "out")])
+
+
+# --config never imports; the current folder is never first on the path.
+
+def _planted(folder, name):
+  """`folder/name.py`, a module that writes `folder/name.imported` when imported
+  (and exports the FedAvg builder as `fedx`)."""
+  marker = folder / f"{name}.imported"
+  (folder / f"{name}.py").write_text(
+      f"open({str(marker)!r}, 'w').close()\n"
+      "from pflax.algorithms import BUILDERS\nfedx = BUILDERS['fedavg']\n")
+  return marker
+
+
+@pytest.fixture
+def planted(tmp_path, monkeypatch):
+  """The current folder is `tmp_path`, importable, and holds `evil.py`; sys.path
+  is restored and `evil` forgotten afterwards."""
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+  yield _planted(tmp_path, "evil")
+  sys.modules.pop("evil", None)
+
+
+def _results(path, **config):
+  path.write_text(json.dumps({"config": config, "runs": []}))
+  return str(path)
+
+
+@pytest.mark.parametrize("print_config", [[], ["--print-config"]])
+def test_a_config_file_naming_a_module_imports_nothing(planted, tmp_path,
+                                                      print_config):
+  path = _results(tmp_path / "results.json", algorithms=["evil:fedx"],
+                  hyperparameters={"evil:fedx": {}})
+  with pytest.raises(SystemExit) as error:
+    cli.main(["--config", path, "--out", str(tmp_path / "out"), *print_config])
+  assert str(error.value) == ("pflax-run: --config names the algorithm 'evil:fedx' "
+                              "(a module to import); give it with --algorithms to "
+                              "run it")
+  assert not planted.exists() and "evil" not in sys.modules
+
+
+def test_a_config_files_settings_for_a_module_not_run_are_left_out(planted, tmp_path,
+                                                                  capsys):
+  path = _results(tmp_path / "results.json", algorithms=["fedavg"],
+                  hyperparameters={"evil:fedx": {"x": 1}},
+                  optimizers={"evil:fedx": {"lr": 1.0}})
+  for flags in ([], ["--algorithms", "fedprox"]):
+    assert cli.main(["--config", path, "--print-config", *flags]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert "evil:fedx" not in printed["hyperparameters"]
+  assert not planted.exists() and "evil" not in sys.modules
+
+
+def test_a_module_builder_given_on_the_command_line_runs_from_the_current_folder(
+    planted, tmp_path, capsys):
+  sys.path.remove(str(tmp_path))        # as under pflax-run: not on the path
+  path = _results(tmp_path / "results.json", algorithms=["evil:fedx"],
+                  hyperparameters={"evil:fedx": {}})
+  assert cli.main(["--config", path, "--algorithms", "evil:fedx",
+                   "--print-config"]) == 0
+  assert planted.exists() and sys.path[-1] == str(tmp_path)
+  assert json.loads(capsys.readouterr().out)["algorithms"] == ["evil:fedx"]
+
+
+def test_without_a_module_builder_the_current_folder_is_not_on_the_path(
+    tmp_path, monkeypatch, capsys):
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setattr(sys, "path", list(sys.path))
+  assert cli.main(["--algorithms", "fedavg", "--print-config"]) == 0
+  capsys.readouterr()
+  assert str(tmp_path) not in sys.path
+
+
+def _pflax_run(tmp_path, *flags):
+  """`pflax-run FLAGS` in a subprocess whose current folder is `tmp_path/work`,
+  started as the console script is (its own folder first on the path, not the
+  current one)."""
+  script = tmp_path / "bin" / "pflax_run.py"
+  script.parent.mkdir(exist_ok=True)
+  script.write_text("import sys\nfrom pflax._src.cli import main\nsys.exit(main())\n")
+  env = dict(os.environ, PYTHONPATH=REPO)
+  return subprocess.run([sys.executable, str(script), *flags], cwd=tmp_path / "work",
+                        env=env, capture_output=True, text=True, check=False)
+
+
+def test_pflax_run_print_config_imports_nothing_from_the_current_folder(tmp_path):
+  (tmp_path / "work").mkdir()
+  markers = [_planted(tmp_path / "work", name) for name in ("tqdm", "evil")]
+  _results(tmp_path / "work" / "results.json", algorithms=["evil:fedx"])
+  done = _pflax_run(tmp_path, "--print-config")
+  assert done.returncode == 0, done.stderr
+  done = _pflax_run(tmp_path, "--config", "results.json", "--print-config")
+  assert done.stderr.strip() == ("pflax-run: --config names the algorithm "
+                                 "'evil:fedx' (a module to import); give it with "
+                                 "--algorithms to run it")
+  assert not any(marker.exists() for marker in markers)
+
+
+@pytest.mark.slow
+def test_pflax_run_trains_with_the_installed_tqdm_not_the_current_folders(tmp_path):
+  """A run imports tqdm (the progress bar) after `--algorithms module:builder` put
+  the current folder on the path: the installed one, not `tqdm.py` there."""
+  (tmp_path / "work").mkdir()
+  tqdm = _planted(tmp_path / "work", "tqdm")
+  builder = _planted(tmp_path / "work", "mine")
+  done = _pflax_run(tmp_path, *SMALL, "--clients", "2", "--rounds", "1",
+                    "--algorithms", "mine:fedx", "--out", "out")
+  assert done.returncode == 0, done.stderr
+  assert builder.exists() and not tqdm.exists()

@@ -174,6 +174,17 @@ def test_pathological_random_assignment_varies(labels):
   assert class_sets(0) != class_sets(1)
 
 
+def test_pathological_extra_holders_go_to_random_classes(labels):
+  # 7 clients x 2 classes are 14 holders of 10 classes: 4 classes have a
+  # second holder, drawn anew with each seed (not always the first classes).
+  doubled = set()
+  for seed in range(10):
+    holders = (data.pathological(labels, 7, 2, seed=seed).counts > 0).sum(axis=0)
+    assert sorted(holders.tolist()) == [1] * 6 + [2] * 4
+    doubled |= set(np.flatnonzero(holders == 2).tolist())
+  assert doubled == set(range(K))
+
+
 # --- groups -------------------------------------------------------------------
 
 

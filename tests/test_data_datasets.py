@@ -1,4 +1,5 @@
-"""Tests for pflax.data loaders: bundled digits and prepared TFDS datasets.
+"""Tests for pflax.data loaders: bundled digits and prepared TFDS datasets (files
+and `load`'s search for MNIST-like IDX files: tests/test_data_files.py).
 
 No network: the TFDS tests prepare tiny copies of real TFDS datasets (same name,
 version and features, a few random images) in a temporary data_dir, then read
@@ -41,7 +42,8 @@ def test_load_digits():
 
 def test_load_dispatches_and_lists_names():
   assert data.load("digits").images.shape == (1797, 8, 8, 1)
-  with pytest.raises(ValueError, match="name must be one of.*'digits'.*'emnist/letters'"):
+  with pytest.raises(ValueError,
+                     match="name_or_path must be one of.*'digits'.*'emnist/letters'"):
     data.load("imagenet")
   with pytest.raises(ValueError, match="name must be one of.*'mnist'"):
     data.load_tfds("digits")
@@ -50,8 +52,10 @@ def test_load_dispatches_and_lists_names():
 @pytest.mark.parametrize("name", ["mnist", "fashion_mnist", "cifar10", "cifar100",
                                   "emnist/letters"])
 def test_load_tfds_not_prepared_fails_with_instructions(tmp_path, name):
+  # `load` looks for MNIST and Fashion-MNIST as IDX files too (tests/test_data_files.py).
+  load = data.load_tfds if name in ("mnist", "fashion_mnist") else data.load
   with pytest.raises(FileNotFoundError) as info:
-    data.load(name, data_dir=str(tmp_path))
+    load(name, data_dir=str(tmp_path))
   message = str(info.value)
   assert f"tfds build {name} --data_dir {tmp_path} --file_format array_record" in message
   assert f"tfds.builder('{name}', data_dir='{tmp_path}'" in message
@@ -120,19 +124,20 @@ def test_load_tfds_reads_prepared_dataset(tmp_path, name):
 
   ds = data.load(name, data_dir=str(tmp_path))
   assert ds.name == name and ds.num_classes == num_classes
-  assert ds.images.shape == (11, *shape) and ds.images.dtype == np.float32
-  assert ds.labels.shape == (11,) and ds.labels.dtype == np.int32
-  assert 0.0 <= ds.images.min() and ds.images.max() <= 1.0
-  tags = np.rint(ds.images[:, 0, 0, 0] * 255).astype(int)
-  # Train first, then test; within a split TFDS may reorder the examples.
-  assert set(tags[:7]) == set(range(7)) and set(tags[7:]) == set(range(100, 104))
-  expected_images = np.concatenate([train[0], test[0]])
-  expected_labels = np.concatenate([train[1], test[1]]) - first_label
-  position = {tag: i for i, tag in enumerate(list(range(7)) + list(range(100, 104)))}
-  order = [position[t] for t in tags]
-  np.testing.assert_allclose(ds.images, expected_images[order] / 255.0, rtol=1e-6)
-  np.testing.assert_array_equal(ds.labels, expected_labels[order])
-  assert ds.labels.min() == 0 and ds.labels.max() == num_classes - 1
+  assert ds.images.shape == (7, *shape) and ds.images.dtype == np.float32
+  assert ds.test_images.shape == (4, *shape) and ds.test_images.dtype == np.float32
+  assert ds.labels.shape == (7,) and ds.labels.dtype == np.int32
+  assert ds.test_labels.shape == (4,) and ds.test_labels.dtype == np.int32
+  for images, labels, split, start in ((ds.images, ds.labels, train, 0),
+                                       (ds.test_images, ds.test_labels, test, 100)):
+    assert 0.0 <= images.min() and images.max() <= 1.0
+    # Within a split TFDS may reorder the examples: the tags say where each was.
+    order = np.rint(images[:, 0, 0, 0] * 255).astype(int) - start
+    assert sorted(order) == list(range(len(split[0])))
+    np.testing.assert_allclose(images, split[0][order] / 255.0, rtol=1e-6)
+    np.testing.assert_array_equal(labels, split[1][order] - first_label)
+  pooled = data.pooled(ds)
+  assert pooled.labels.min() == 0 and pooled.labels.max() == num_classes - 1
 
 
 @pytest.mark.skipif(_HAS_TF, reason="TensorFlow installed: tfrecord is readable")
@@ -169,7 +174,7 @@ def test_load_tfds_downloads_only_when_asked(tmp_path, monkeypatch):
   assert not calls and not any(tmp_path.iterdir())
   ds = data.load("mnist", data_dir=str(tmp_path), download=True)
   assert calls == [("mnist", "array_record")]
-  assert ds.images.shape == (6, 28, 28, 1)
+  assert ds.images.shape == (3, 28, 28, 1) and ds.test_images.shape == (3, 28, 28, 1)
   data.load("mnist", data_dir=str(tmp_path), download=True)   # prepared: no download
   assert len(calls) == 1
 
@@ -189,7 +194,8 @@ def test_download_reads_what_tfds_prepared_under_tfds_mock_data(tmp_path, monkey
     with pytest.raises(FileNotFoundError, match="pflax-run --download"):
       data.load("mnist", data_dir=str(tmp_path))
     ds = data.load("mnist", data_dir=str(tmp_path), download=True)
-  assert ds.images.shape == (14, 28, 28, 1) and ds.images.dtype == np.float32
+  assert ds.images.shape == (7, 28, 28, 1) and ds.images.dtype == np.float32
+  assert ds.test_images.shape == (7, 28, 28, 1)
   assert 0.0 <= ds.images.min() and ds.images.max() <= 1.0
-  assert ds.labels.shape == (14,) and set(ds.labels) <= set(range(10))
+  assert ds.labels.shape == (7,) and set(ds.labels) <= set(range(10))
   assert not any(tmp_path.iterdir())   # nothing downloaded or written

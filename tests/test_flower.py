@@ -11,6 +11,7 @@ import pytest
 pytest.importorskip("flwr")
 
 from flwr import app as flwr_app  # pylint: disable=wrong-import-position
+from flwr.supercore import task_identity  # pylint: disable=wrong-import-position
 
 from pflax import flower  # pylint: disable=wrong-import-position
 from pflax import simulate  # pylint: disable=wrong-import-position
@@ -152,6 +153,25 @@ def test_an_unregistered_or_duplicate_partition_is_a_clear_error():
   with pytest.raises(RuntimeError, match="partition-id"):
     flower_src.run_in_process(flower.Experiment("fedavg", CONFIG, 0),
                               flower_src.InProcessGrid(nodes))
+
+
+@pytest.fixture
+def message_identity(monkeypatch):
+  """The identity a Flower message needs, as `run_in_process` sets it."""
+  for name in ("_run_id", "_node_id", "_task_id"):
+    monkeypatch.setattr(task_identity.TaskIdentity, name, 1)
+
+
+@pytest.mark.usefixtures("message_identity")
+def test_registration_stacks_the_clients_by_id_whatever_the_reply_order():
+  # Node i + 1 is client 3 - i: the replies come in reverse client order.
+  nodes = flower_src.in_process_nodes(4, node_config=lambda i: {"partition-id": 3 - i})
+  strategy = flower.PflaxStrategy(flower.Experiment("cwfedavg", CONFIG, 0))
+  strategy.register(flower_src.InProcessGrid(nodes), timeout=0.0)
+  assert strategy.nodes == {3 - i: i + 1 for i in range(4)}
+  federation = simulate.prepare(CONFIG, 0).federation
+  np.testing.assert_array_equal(strategy.class_counts, federation.counts)
+  np.testing.assert_array_equal(strategy.tests, federation.test_valid.sum(axis=1))
 
 
 def test_a_node_without_partition_id_says_how_to_start_it():

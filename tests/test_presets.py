@@ -27,7 +27,9 @@ def test_every_preset_resolves_and_is_recorded(name, capsys, tmp_path):
           assert config["optimizers"][algorithm][k] == v
     else:
       assert config[key] == value, key
+  assert config["seeds"] == list(preset.seeds)
   assert preset.sources and preset.description
+  assert set(preset.paper) == set(preset.algorithms) and "paper" in preset.sources
 
 
 def test_headline_values_from_the_papers(capsys, tmp_path):
@@ -46,6 +48,141 @@ def test_headline_values_from_the_papers(capsys, tmp_path):
                                            "grad_clip": 10.0}
   fca = resolved("fedclassavg-cifar10-dirichlet-heterogeneous")
   assert fca["heterogeneous"] and fca["optimizers"]["fedclassavg"]["lr"] == 1e-4
+
+
+PAPER = {
+    # cwfedavg.txt lines 207-215 (Table 1).
+    "cwfedavg-cifar10-pathological": {"cwfedavg": 91.23, "fedavg": 60.68,
+                                      "fedprox": 60.65},
+    "cwfedavg-mnist-dirichlet": {"cwfedavg": 99.52, "fedavg": 98.70, "fedprox": 98.68},
+    "cwfedavg-cifar10-dirichlet": {"cwfedavg": 88.65, "fedavg": 61.94,
+                                   "fedprox": 62.48},
+    # fedclassavg.txt lines 846-851 (Table 2), 893-898 (Table 3), 948 (Table 4).
+    "fedclassavg-cifar10-dirichlet-heterogeneous": {"fedclassavg": 0.7670,
+                                                    "local": 0.6894},
+    "fedclassavg-fmnist-dirichlet-heterogeneous": {"fedclassavg": 0.9303,
+                                                   "local": 0.8840},
+    "fedclassavg-fmnist-pathological-heterogeneous": {"fedclassavg": 0.9800,
+                                                      "local": 0.9430},
+    "fedclassavg-fmnist-dirichlet": {"fedclassavg": 0.9294, "fedavg": 0.8988,
+                                     "fedprox": 0.9025},
+    "fedclassavg-fmnist-dirichlet-100-clients": {"fedclassavg": 0.6712,
+                                                 "fedavg": 0.7471, "fedprox": 0.7477},
+    "fedclassavg-fmnist-ablation-ca": {"fedclassavg": 0.8578},
+    "fedclassavg-fmnist-ablation-ca-pr": {"fedclassavg": 0.8971},
+    "fedclassavg-fmnist-ablation-ca-cl": {"fedclassavg": 0.924},
+    # fedsa.txt lines 68-76 (Table 1).
+    "fedsa-cifar10-pathological": {"fedsa": 91.36, "fedavg": 90.79, "fedprox": 90.75},
+    "fedsa-cifar10-dirichlet": {"fedsa": 90.41, "fedavg": 88.55, "fedprox": 88.94},
+    # feddwa.txt lines 305-316 (Table 1), 217-228 (Table A1: 20% before 100%).
+    "feddwa-cifar10-dirichlet": {"feddwa": 86.97, "fedavg": 53.44},
+    "feddwa-cifar10-pathological": {"feddwa": 85.2, "fedavg": 39.53},
+    "feddwa-fmnist-pathological": {"feddwa": 98.75, "fedavg": 75.28},
+    "feddwa-fmnist-pathological-100-clients": {"feddwa": 98.39, "fedavg": 75.44},
+    # fedrema.txt lines 234-245 (Table 1).
+    "fedrema-cifar10-groups": {"fedrema": 65.4, "fedavg": 61.9, "fedprox": 61.6,
+                               "local": 58.9},
+    "fedrema-fmnist-groups": {"fedrema": 88.2, "fedavg": 86.1, "fedprox": 84.8,
+                              "local": 86.0},
+}
+
+
+def test_every_preset_stores_the_papers_numbers():
+  assert {name: dict(presets.get(name).paper) for name in presets.names()} == PAPER
+
+
+def _resolved(name, capsys, tmp_path, *flags):
+  assert cli.main(["--preset", name, "--print-config", "--out", str(tmp_path),
+                   *flags]) == 0
+  return json.loads(capsys.readouterr().out)
+
+
+def test_fedrema_fmnist_from_the_paper(capsys, tmp_path):
+  rema = _resolved("fedrema-fmnist-groups", capsys, tmp_path)
+  # fedrema.txt line 230: 600 samples per client, 4:1, s = 0.2, 5 seeds; line 222:
+  # SGD, T = 500, E = 5, batch 100, lr 0.01, FedProx mu = 1.
+  assert (rema["dataset"], rema["partition"], rema["iid_fraction"]) == (
+      "fashion_mnist", "groups", 0.2)
+  assert (rema["samples_per_client"], rema["test_fraction"], rema["test_split"]) == (
+      600, 0.2, "clients")
+  assert rema["seeds"] == [0, 1, 2, 3, 4]
+  assert (rema["rounds"], rema["local_epochs"], rema["batch_size"]) == (500, 5, 100)
+  assert rema["optimizers"]["fedrema"]["lr"] == 0.01
+  assert rema["hyperparameters"]["fedprox"]["mu"] == 1.0
+  assert rema["algorithms"] == ["fedrema", "fedavg", "fedprox", "local"]
+  cifar = _resolved("fedrema-cifar10-groups", capsys, tmp_path)
+  same = lambda c: {k: v for k, v in c.items() if k not in ("dataset", "preset")}
+  assert same(cifar) == same(rema)                  # Table 1: one setting
+
+
+def test_feddwa_fmnist_from_the_paper(capsys, tmp_path):
+  # feddwa.txt line 210: 2 classes per client; 20 clients, 100%, 100 rounds; 100
+  # clients, 20%, 300 rounds. Line 166: SGD, 5 epochs, lr 0.01, batch 16.
+  for name, clients, participation, rounds in (
+      ("feddwa-fmnist-pathological", 20, 1.0, 100),
+      ("feddwa-fmnist-pathological-100-clients", 100, 0.2, 300)):
+    dwa = _resolved(name, capsys, tmp_path)
+    assert (dwa["dataset"], dwa["partition"], dwa["classes_per_client"]) == (
+        "fashion_mnist", "pathological", 2)
+    assert (dwa["clients"], dwa["participation"], dwa["rounds"]) == (
+        clients, participation, rounds)
+    assert (dwa["local_epochs"], dwa["batch_size"], dwa["lr"]) == (5, 16, 0.01)
+    assert dwa["hyperparameters"]["feddwa"]["alpha"] == 0.2
+    assert dwa["algorithms"] == ["feddwa", "fedavg"]
+
+
+@pytest.mark.parametrize("name,partition,heterogeneous,clients,participation", [
+    ("fedclassavg-fmnist-dirichlet-heterogeneous", "dirichlet", True, 20, 1.0),
+    ("fedclassavg-fmnist-pathological-heterogeneous", "pathological", True, 20, 1.0),
+    ("fedclassavg-fmnist-dirichlet", "dirichlet", False, 20, 1.0),
+    ("fedclassavg-fmnist-dirichlet-100-clients", "dirichlet", False, 100, 0.1),
+])
+def test_fedclassavg_fmnist_from_the_paper(name, partition, heterogeneous, clients,
+                                           participation, capsys, tmp_path):
+  fca = _resolved(name, capsys, tmp_path)
+  # fedclassavg.txt line 672: lr 0.0006, batch 64, rho 0.4662, 1 epoch; lines
+  # 590-592, 835-837: Dir(0.5), or two classes per client; line 814: 20 clients
+  # at rate 1, 100 at 0.1; the authors' code: Adam (0.5, 0.999), test sets drawn
+  # from the test split.
+  assert (fca["dataset"], fca["partition"], fca["heterogeneous"]) == (
+      "fashion_mnist", partition, heterogeneous)
+  assert fca["dirichlet_alpha"] == 0.5 or partition == "pathological"
+  assert fca["classes_per_client"] == 2 or partition == "dirichlet"
+  assert (fca["clients"], fca["participation"]) == (clients, participation)
+  assert (fca["batch_size"], fca["local_epochs"], fca["test_split"]) == (
+      64, 1, "dataset")
+  for algorithm in fca["algorithms"]:
+    assert fca["optimizers"][algorithm] == {"optimizer": "adam", "lr": 0.0006,
+                                            "momentum": 0.0, "adam_b1": 0.5,
+                                            "grad_clip": None}
+  assert fca["hyperparameters"]["fedclassavg"]["rho"] == 0.4662
+  assert fca["hyperparameters"]["fedclassavg"]["warmup_epochs"] == 0
+
+
+@pytest.mark.parametrize("name,rho,supcon", [
+    ("fedclassavg-fmnist-ablation-ca", 0.0, False),
+    ("fedclassavg-fmnist-ablation-ca-pr", 0.4662, False),
+    ("fedclassavg-fmnist-ablation-ca-cl", 0.0, True),
+    ("fedclassavg-fmnist-dirichlet-heterogeneous", 0.4662, True),   # +PR, CL
+])
+def test_fedclassavg_ablation_switches_each_term(name, rho, supcon, capsys, tmp_path):
+  # fedclassavg.txt line 948 (Table 4): CA, +PR, +CL, +PR, CL.
+  fca = _resolved(name, capsys, tmp_path)
+  keywords = fca["hyperparameters"]["fedclassavg"]
+  assert (keywords["rho"], keywords["supcon"]) == (rho, supcon)
+  full = _resolved("fedclassavg-fmnist-dirichlet-heterogeneous", capsys, tmp_path)
+  same = lambda c: {k: v for k, v in c.items() if k not in (
+      "preset", "hyperparameters", "optimizers", "algorithms")}
+  assert same(fca) == same(full)
+  assert fca["optimizers"]["fedclassavg"] == full["optimizers"]["fedclassavg"]
+  others = lambda c: {k: v for k, v in c["hyperparameters"]["fedclassavg"].items()
+                      if k not in ("rho", "supcon")}
+  assert others(fca) == others(full)
+
+
+def test_seeds_flag_overrides_a_presets_seeds(capsys, tmp_path):
+  config = _resolved("fedrema-fmnist-groups", capsys, tmp_path, "--seeds", "7")
+  assert config["seeds"] == [7]
 
 
 def test_flags_override_a_preset(capsys, tmp_path):

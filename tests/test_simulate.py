@@ -63,6 +63,19 @@ def test_every_algorithm_runs_and_reports(setup, name):
   assert np.asarray(record["output_norms"]).shape == (6, 10)
 
 
+def test_final_accuracy_is_the_mean_of_the_last_evaluations_not_rounds():
+  # eval_every=2 over 12 rounds: evaluations at rounds 2, 4, .., 12 (accuracy
+  # t / 100); the last FINAL_WINDOW = 5 of them are rounds 4 to 12.
+  def record(t):
+    accuracies = ({"personalized": simulate.Accuracy(t / 100, t / 100, 0.0)}
+                  if t % 2 == 0 else {})
+    return simulate.RoundRecord(t, 0.0, accuracies=accuracies)
+  history = [record(t) for t in range(1, 13)]
+  summary = simulate.Summary.of("personalized", history)
+  assert summary.final == pytest.approx(np.mean([0.04, 0.06, 0.08, 0.10, 0.12]))
+  assert summary.best == 0.12
+
+
 def test_training_improves_over_chance(setup):
   config = dataclasses.replace(CONFIG, rounds=8)
   record = simulate.run("local", config, 0, setup=setup)
@@ -146,6 +159,37 @@ def test_partial_participation_leaves_absent_clients_unchanged(setup):
                            setup=setup)
   moved = ~np.isclose(record.output_norms, untouched.output_norms).all(axis=1)
   assert sorted(np.flatnonzero(moved)) == sorted(chosen.tolist())
+
+
+def _poisoned(setup):
+  """`setup` with every input NaN: every upload is dropped, so each round's
+  dropped clients are exactly its participants."""
+  fed = setup.federation
+  return dataclasses.replace(setup, federation=fed._replace(x=fed.x * np.nan))
+
+
+def test_partial_participation_draws_new_participants_every_round(setup):
+  config = dataclasses.replace(CONFIG, participation=1 / 3, rounds=3)
+  record = simulate.run("local", config, 0, setup=_poisoned(setup))
+  drawn = [h.dropped_clients for h in record.history]
+  assert [len(d) for d in drawn] == [2, 2, 2]
+  assert len(set(drawn)) > 1, drawn
+
+
+def test_a_client_trains_alike_whoever_else_takes_part(setup):
+  # Round 1 of a run with 2 of 6 clients: each participant trains exactly as in
+  # round 1 with every client (its key is a function of its id, not of its
+  # position among the participants).
+  config = dataclasses.replace(CONFIG, participation=1 / 3, rounds=1)
+  chosen = list(simulate.run("local", config, 0,
+                             setup=_poisoned(setup)).history[0].dropped_clients)
+  assert chosen != [0, 1]  # else positions and ids coincide
+  partial = simulate.run("local", config, 0, setup=setup)
+  full = simulate.run("local", dataclasses.replace(config, participation=1.0), 0,
+                      setup=setup)
+  np.testing.assert_allclose(partial.output_norms[chosen], full.output_norms[chosen],
+                             rtol=1e-6)
+  assert not np.allclose(partial.output_norms, full.output_norms)
 
 
 def test_cli_writes_results_and_plots(tmp_path):

@@ -23,16 +23,16 @@ from pflax._src import feddwa as dwa_lib
 from pflax._src import fedrema as rema_lib
 from pflax._src import fedsa as fedsa_lib
 from pflax._src import losses
-from pflax._src import models
+from pflax._src import parts as parts_lib
 from pflax._src import tree as tree_lib
 from pflax._src import types
 from pflax._src import weights as weights_lib
 from pflax._src.data import augment as augment_lib
 
-OUTPUT_LAYER = tree_lib.under("classifier", "output")
+OUTPUT_LAYER = parts_lib.PFLAX_OUTPUT
 """The output layer (kernel and bias) of pflax's models."""
-CLASSIFIER = tree_lib.under("classifier")
-"""Every Dense layer after the feature extractor."""
+CLASSIFIER = parts_lib.PFLAX_CLASSIFIER
+"""Every Dense layer after the feature extractor of pflax's models."""
 
 
 def _first(stacked: types.Stacked) -> types.Tree:
@@ -164,32 +164,64 @@ class ClassModels(NamedTuple):
     class_dist: `(M, K)` class distributions that mix each client's model:
       estimated from its last upload (initially 1/K) or empirical.
     class_counts: `(M, K)` training class counts (the WDR's `p`, and `n_i`).
+    uploads: `(M, ...)` each client's latest upload of the class-wise layers
+      (its `w_i^L` of Eq. 6; the other leaves None).
+    uploaded: `(M,)` whether the client has uploaded at least once.
   """
   class_models: types.Tree
   rest: types.Tree
   class_dist: chex.Array
   class_counts: chex.Array
+  uploads: types.Stacked
+  uploaded: chex.Array
+
+
+def _class_wise_layers(layers: types.Selector | str | None,
+                       output: types.Selector) -> types.Selector | None:
+  """cwFedAvg's class-wise layers: "output" (the output layer), "all" or None
+  (every layer), or a selector."""
+  if isinstance(layers, str):
+    if layers not in ("output", "all"):
+      raise ValueError(f"layers must be 'output', 'all' or a selector, got {layers!r}.")
+    return output if layers == "output" else None
+  return layers
 
 
 def class_wise_averaging(model: nn.Module, optimizer: optax.GradientTransformation, *,
-                         wdr_coef: float = 5.0, layers: types.Selector = OUTPUT_LAYER,
-                         class_dist: str = "estimated") -> alg.Algorithm:
+                         wdr_coef: float = 5.0,
+                         layers: types.Selector | str | None = "output",
+                         class_dist: str = "estimated",
+                         parts: parts_lib.Parts | None = None) -> alg.Algorithm:
   """cwFedAvg with the Weight Distribution Regularizer (Lee & Choi).
 
   Clients train with `CE + wdr_coef * WDR(W_out, p)` (Eq. 12); the server
   keeps one model per class for the class-wise layers (Eq. 6) and the FedAvg
   model of the others, and gives client i the mix `sum_j p~_ij w_j` (Eq. 7).
 
+  Eq. 6 sums over all M clients: the server keeps each client's latest upload
+  of the class-wise layers and its `p~`, and a round's class models are built
+  from the participants' new uploads and the absent clients' latest ones
+  (clients that never uploaded are left out). With full participation this is
+  the average of the round's uploads; with partial participation a class held
+  only by absent clients keeps a model built from its holders, instead of one
+  averaged from participants that hold none of it (docs/methods.md#cwfedavg).
+
   Args:
     model: the clients' Flax model.
     optimizer: the clients' optimizer.
     wdr_coef: weight of the WDR (>= 0).
-    layers: selector of the class-wise layers (default the output layer, the
-      paper's cwFedAvg (Output); `None` for every layer).
+    layers: the class-wise layers: "output" (the output layer, the paper's
+      cwFedAvg (Output)), "all" or None (every layer, cwFedAvg (All)), or a
+      selector.
     class_dist: "estimated" (`p~` from the uploaded output kernel, Eq. 11,
       initially 1/K) or "empirical" (the clients' class counts).
+    parts: the model's `pflax.models.Parts` (its output layer); None for
+      pflax's models.
   """
   alg.check_range("wdr_coef", wdr_coef, 0.0)
+  output = parts_lib.resolve(model, parts, "class_wise_averaging").output
+  layers = _class_wise_layers(layers, output)
+  kernel = lambda params: parts_lib.output_kernel(params, output)
   if class_dist not in ("estimated", "empirical"):
     raise ValueError(
         f"class_dist must be 'estimated' or 'empirical', got {class_dist!r}.")
@@ -197,7 +229,7 @@ def class_wise_averaging(model: nn.Module, optimizer: optax.GradientTransformati
 
   def loss(params, counts, batch, key):
     return (ce(params, None, batch, key)
-            + wdr_coef * losses.wdr(models.output_kernel(params), counts))
+            + wdr_coef * losses.wdr(kernel(params), counts))
 
   def init(params, class_counts, key):
     del key
@@ -206,7 +238,8 @@ def class_wise_averaging(model: nn.Module, optimizer: optax.GradientTransformati
             else jnp.full((m, k), 1.0 / k))
     selected, rest = tree_lib.partition(_first(params), layers)
     return ClassModels(jax.tree.map(lambda x: tree_lib.broadcast(x, k), selected),
-                       rest, dist, class_counts)
+                       rest, dist, class_counts, tree_lib.partition(params, layers)[0],
+                       jnp.zeros((m,), bool))
 
   def client_models(state):
     m = state.class_counts.shape[0]
@@ -217,12 +250,15 @@ def class_wise_averaging(model: nn.Module, optimizer: optax.GradientTransformati
     del key
     dist = state.class_dist
     if class_dist == "estimated":
-      estimate = cw_lib.estimate_class_dist(models.output_kernel(trained))
+      estimate = cw_lib.estimate_class_dist(kernel(trained))
       dist = jnp.where(mask[:, None], estimate, dist)
     n = _sample_counts(state.class_counts)
     selected, rest = tree_lib.partition(trained, layers)
-    new = state._replace(class_dist=dist,
-                         class_models=cw_lib.class_models(selected, dist, n, mask=mask))
+    uploads = weights_lib.keep_masked(selected, state.uploads, mask)
+    uploaded = state.uploaded | mask
+    new = state._replace(
+        class_dist=dist, uploads=uploads, uploaded=uploaded,
+        class_models=cw_lib.class_models(uploads, dist, n, mask=uploaded))
     if jax.tree.leaves(rest):
       new = new._replace(rest=fedavg_lib.fedavg(rest, n, mask=mask))
     return new
@@ -249,10 +285,12 @@ class SharedHead(NamedTuple):
 
 
 def classifier_averaging(model: nn.Module, optimizer: optax.GradientTransformation, *,
-                         rho: float = 0.1, supcon_temperature: float = 100.0,
+                         rho: float = 0.1, supcon: bool = True,
+                         supcon_temperature: float = 100.0,
                          supcon_base_temperature: float = 0.07,
                          warmup_epochs: int = 1,
-                         classifier: types.Selector = OUTPUT_LAYER) -> alg.Algorithm:
+                         classifier: types.Selector | None = None,
+                         parts: parts_lib.Parts | None = None) -> alg.Algorithm:
   """FedClassAvg (Jang et al.): averaged classifier, SupCon on two views, proximal head.
 
   Local objective (Eq. 4): `CE(y, f(x')) + SupCon(F(x'), F(x'')) +
@@ -262,17 +300,23 @@ def classifier_averaging(model: nn.Module, optimizer: optax.GradientTransformati
   `global` is the averaged classifier on the client's own features.
 
   Args:
-    model: the clients' Flax model (with a `representation` method).
+    model: the clients' Flax model.
     optimizer: the clients' optimizer (the paper: Adam, betas (0.5, 0.999)).
-    rho: weight of the proximal term (>= 0).
+    rho: weight of the proximal term (>= 0; 0 switches it off).
+    supcon: whether to add the SupCon term (False: CE on one view plus the
+      proximal term, the second view is not drawn; the paper's Table 4
+      ablation).
     supcon_temperature, supcon_base_temperature: the SupCon loss's (> 0).
     warmup_epochs: local epochs of every client before round 1 (0: none).
-    classifier: selector of the averaged classifier (default the output layer).
+    classifier: selector of the averaged classifier (None: the output layer).
+    parts: the model's `pflax.models.Parts` (its output layer and
+      representation); None for pflax's models.
 
   Notes:
     [settled: authors' code] SupCon acts on the last hidden layer's linear
-    output before the classifier's ReLU (`model.representation`, the authors'
-    `fcin`); the proximal term is a mean per tensor.
+    output before the classifier's ReLU (pflax models' `representation`, the
+    authors' `fcin`); on another model, on `parts.representation`, by default
+    the output layer's input. The proximal term is a mean per tensor.
   """
   alg.check_range("rho", rho, 0.0)
   alg.check_range("supcon_temperature", supcon_temperature, 0.0, open_low=True)
@@ -280,20 +324,26 @@ def classifier_averaging(model: nn.Module, optimizer: optax.GradientTransformati
                   open_low=True)
   if warmup_epochs < 0:
     raise ValueError(f"warmup_epochs must be >= 0, got {warmup_epochs}.")
+  parts = parts_lib.resolve(model, parts, "classifier_averaging")
+  classifier = parts.output if classifier is None else classifier
+  representation = parts_lib.representation_fn(model, parts)
 
   def loss(params, global_head, batch, key):
     k1, k2 = jax.random.split(key)
-    view1, view2 = augment_lib.translate(k1, batch.x), augment_lib.translate(k2, batch.x)
-    represent = lambda v: model.apply({"params": params}, v, method="representation")
-    feats = jnp.concatenate([represent(view1), represent(view2)])
-    labels = jnp.concatenate([batch.y, batch.y])
-    valid = jnp.concatenate([batch.mask, batch.mask])
-    contrast = losses.supcon(feats, labels, supcon_temperature,
-                             supcon_base_temperature, mask=valid)
+    view1 = augment_lib.translate(k1, batch.x)
     own_head = tree_lib.selected(params, classifier)
     prox = losses.proximal(own_head, global_head, reduce="mean")
-    return (losses.cross_entropy(alg.logits(model, params, view1), batch.y, batch.mask)
-            + contrast + rho * prox)
+    total = (losses.cross_entropy(alg.logits(model, params, view1), batch.y, batch.mask)
+             + rho * prox)
+    if not supcon:
+      return total
+    view2 = augment_lib.translate(k2, batch.x)
+    feats = jnp.concatenate([representation(params, view1),
+                             representation(params, view2)])
+    labels = jnp.concatenate([batch.y, batch.y])
+    valid = jnp.concatenate([batch.mask, batch.mask])
+    return total + losses.supcon(feats, labels, supcon_temperature,
+                                 supcon_base_temperature, mask=valid)
 
   def global_heads(state):
     return tree_lib.broadcast(state.head, state.num_samples.shape[0])
@@ -385,15 +435,9 @@ class MatchedClassifiers(NamedTuple):
   history: rema_lib.FedReMaState
 
 
-def _classifier_width(classifier: types.Stacked) -> int:
-  """The classifier's input width F: the first Dense layer's kernel rows."""
-  first = classifier.get("hidden_0", classifier["output"])
-  return first["kernel"].shape[-2]
-
-
 def relevant_client_matching(model: nn.Module, optimizer: optax.GradientTransformation,
-                             *, delta: float = 0.5, temperature: float = 0.5
-                             ) -> alg.Algorithm:
+                             *, delta: float = 0.5, temperature: float = 0.5,
+                             parts: parts_lib.Parts | None = None) -> alg.Algorithm:
   """FedReMa (Liang et al.): FedAvg feature extractor, relevance-matched classifiers.
 
   The classifier is every Dense layer after the feature extractor; soft logits
@@ -404,23 +448,26 @@ def relevant_client_matching(model: nn.Module, optimizer: optax.GradientTransfor
   (the paper's SGD with momentum).
 
   Args:
-    model: the clients' Flax model (with a `head()` classifier module).
+    model: the clients' Flax model.
     optimizer: the clients' optimizer.
     delta: the CCP threshold on the maximum gap, in [0, 1].
     temperature: the soft-logit temperature (> 0).
+    parts: the model's `pflax.models.Parts` (its classifier); None for pflax's
+      models, whose classifier is every Dense layer after the features.
   """
   alg.check_range("delta", delta, 0.0, 1.0)
   alg.check_range("temperature", temperature, 0.0, open_low=True)
-  head = model.head()
-  apply_head = lambda params, h: head.apply({"params": params}, h)
+  parts = parts_lib.resolve(model, parts, "relevant_client_matching")
+  where = parts_lib.classifier_selector(parts)
+  apply_classifier = parts_lib.classifier_fn(parts)
 
   def server_update(state, trained, mask, key):
-    classifiers = trained["classifier"]
-    logits = rema_lib.probe_logits(apply_head, classifiers, key,
-                                   _classifier_width(classifiers))
+    classifiers = tree_lib.selected(trained, where)
+    logits = rema_lib.probe_logits(apply_classifier, classifiers, key,
+                                   parts_lib.classifier_width(parts, classifiers))
     soft = rema_lib.soft_logits(logits, temperature)
     params, history = rema_lib.fedrema(trained, state.num_samples, soft, state.history,
-                                       where=CLASSIFIER, delta=delta, mask=mask)
+                                       where=where, delta=delta, mask=mask)
     return state._replace(params=params, history=history)
 
   return alg.Algorithm(

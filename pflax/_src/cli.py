@@ -8,14 +8,14 @@ import json
 import os
 import sys
 import typing
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
 from pflax._src import builders
-from pflax._src import plots
 from pflax._src import presets
 from pflax._src import records
 from pflax._src import simulate
@@ -27,6 +27,16 @@ FIELD_HELP = {
                "cifar10, cifar100, emnist/letters",
     "data_dir": "TFDS data directory",
     "iid_fraction": "FedReMa's s for --partition groups",
+    "samples_per_client": "each client's samples (unset: all it is dealt), test "
+                          "samples included with --test-split clients (FedReMa: "
+                          "600): --partition groups draws exactly this many, the "
+                          "others keep a random subset of at most this many",
+    "test_fraction": "each client's share of test samples, per class (FedReMa's 4:1: "
+                     "0.2)",
+    "test_split": "clients: pool the dataset's train and test splits, partition, and "
+                  "split each client's data by --test-fraction (the papers); "
+                  "dataset: partition the train split and test each client on the "
+                  "dataset's own test split, dealt with its class mix",
     "faulty_clients": "each round this fraction of the participants, drawn from the "
                       "run's key, uploads non-finite parameters; the server drops them",
     "eval_every": "evaluate every N rounds (and after the last)",
@@ -39,7 +49,8 @@ FIELD_HELP = {
     "grad_clip": "clip each local model's gradient to this global norm (FedDWA's w "
                  "and v each on its own)",
 }
-FIELD_CHOICES = {"partition": simulate.PARTITIONS, "model": ("auto", "cnn", "mlp"),
+FIELD_CHOICES = {"partition": simulate.PARTITIONS, "test_split": simulate.TEST_SPLITS,
+                 "model": ("auto", "cnn", "mlp"),
                  "strategy": ("auto", "vmap", "loop", "map"),
                  "optimizer": ("sgd", "adam")}
 CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(simulate.ExperimentConfig)
@@ -166,13 +177,29 @@ def _fail(message: str) -> SystemExit:
   return SystemExit(f"pflax-run: {message}")
 
 
-def _flag_message(error: ValueError) -> str:
-  """A configuration error with its field named as the command-line flag."""
+def _flag_message(error: Exception) -> str:
+  """A configuration error (or warning) with its leading field named as the
+  command-line flag: `clients must ...`, `clients: ...` -> `--clients ...`."""
   text = str(error)
   for field in CONFIG_FIELDS:
-    if text.startswith(field + " "):
+    if text.startswith((field + " ", field + ":")):
       return _flag(field) + text[len(field):]
   return text
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+"""Warnings issued from files under this directory are pflax's own."""
+
+
+def _one_line_warnings(show: Callable[..., None]) -> Callable[..., None]:
+  """A `warnings.showwarning` that prints pflax's warnings as one line
+  `pflax-run: warning: ...` on stderr (fields named as flags), others as `show`."""
+  def showwarning(message, category, filename, lineno, file=None, line=None):
+    if os.path.abspath(filename).startswith(_PACKAGE_DIR):
+      print(f"pflax-run: warning: {_flag_message(message)}", file=sys.stderr)
+    else:
+      show(message, category, filename, lineno, file, line)
+  return showwarning
 
 
 def _typed(key: str, text: str, default: Any) -> Any:
@@ -233,7 +260,40 @@ def _loaded(path: str) -> dict[str, Any]:
       data = json.load(f)
   except (OSError, ValueError) as e:
     raise _fail(f"--config {path}: {e}") from None
-  return data.get("config", data) if isinstance(data, dict) else {}
+  config = data.get("config", data) if isinstance(data, dict) else None
+  if not isinstance(config, dict):
+    raise _fail(f"--config {path}: not a results.json (a JSON object, or one with "
+                "a 'config' object)")
+  return config
+
+
+def _importing(name: Any) -> bool:
+  """Whether running the algorithm `name` imports a module (`module:builder`)."""
+  return isinstance(name, str) and ":" in name and name not in builders.BUILDERS
+
+
+def _not_importing(saved: dict[str, Any], path: str, command_line: Sequence[str]
+                   ) -> dict[str, Any]:
+  """`saved` (a `--config` file's config), which imports no module: a
+  `module:builder` it runs must be on the command line as well (`--algorithms`),
+  else it is an error; its `hyperparameters` and `optimizers` for a
+  `module:builder` not on the command line configure no algorithm of this run and
+  are left out. A shared results.json cannot run code of its choosing."""
+  algorithms = saved.get("algorithms", [])
+  if not isinstance(algorithms, list) or not all(isinstance(a, str)
+                                                 for a in algorithms):
+    raise _fail(f"--config {path}: algorithms must be a list of names, got "
+                f"{algorithms!r}")
+  imported = next(filter(_importing, algorithms), None)
+  if imported is not None and not command_line:
+    raise _fail(f"--config names the algorithm {imported!r} (a module to import); "
+                "give it with --algorithms to run it")
+  saved = dict(saved)
+  for table in ("hyperparameters", "optimizers"):
+    if isinstance(saved.get(table), dict):
+      saved[table] = {name: entry for name, entry in saved[table].items()
+                      if not _importing(name) or name in command_line}
+  return saved
 
 
 def config_from_args(args: argparse.Namespace, given: set[str]
@@ -249,8 +309,11 @@ def config_from_args(args: argparse.Namespace, given: set[str]
     base = dict(preset.config)
     if "algorithms" not in given:
       args.algorithms = list(preset.algorithms)
+    if "seeds" not in given:
+      args.seeds = list(preset.seeds)
   if args.config:
-    saved = _loaded(args.config)
+    saved = _not_importing(_loaded(args.config), args.config,
+                           args.algorithms if "algorithms" in given else ())
     run_level = ("algorithms", "seeds", "devices", "sweep", "preset", "flower")
     unknown = set(saved) - set(CONFIG_FIELDS) - {"optimizers", "hyperparameters",
                                                   *run_level}
@@ -270,6 +333,7 @@ def config_from_args(args: argparse.Namespace, given: set[str]
     config = simulate.ExperimentConfig(**{**base, **flags})
     config = _apply_sets(config, args.algorithms, args.set)
     simulate.check_config(config)
+    simulate.check_algorithm_keys(config, args.algorithms)
     for name in args.algorithms:
       simulate.check_algorithm(name, config)
       if (config.heterogeneous and name in builders.BUILDERS
@@ -311,28 +375,6 @@ def _progress(total: int, label: str, enabled: bool) -> Any:
   from tqdm import tqdm  # pylint: disable=import-outside-toplevel
   return tqdm(total=total, desc=label, disable=not enabled, leave=False,
               file=sys.stderr, dynamic_ncols=True)
-
-
-def _table(runs: Sequence[records.RunRecord]) -> str:
-  """Markdown table of accuracies per algorithm (and value), mean ± std over seeds.
-
-  "per client" is the final unweighted mean over clients of the personalized
-  models' accuracies with their std over clients in parentheses, each averaged
-  over seeds; "exclusive" is FedDWA's exclusive models, one per client.
-  """
-  lines = ["| algorithm | personalized best | personalized final | per client final: "
-           "mean (std) | global final | exclusive final |", "|---|---|---|---|---|---|"]
-  for label in dict.fromkeys(r.label for r in runs):
-    rs = [r for r in runs if r.label == label]
-    fmt = lambda v: f"{100 * np.mean(v):.2f} ± {100 * np.std(v):.2f}"
-    acc = lambda kind, field: (fmt([getattr(r.summary(kind), field) for r in rs])
-                               if rs[0].summary(kind) else "—")
-    clients = lambda field: 100 * np.mean([getattr(r.summary(), field) for r in rs])
-    lines.append(f"| {label} | {acc('personalized', 'best')} | "
-                 f"{acc('personalized', 'final')} | {clients('client_mean'):.2f} "
-                 f"({clients('client_std'):.2f}) | {acc('global', 'final')} | "
-                 f"{acc('exclusive', 'final')} |")
-  return "\n".join(lines)
 
 
 def _config_dict(config: simulate.ExperimentConfig, args: argparse.Namespace
@@ -400,10 +442,13 @@ def _check_flower_flags(args: argparse.Namespace, config: simulate.ExperimentCon
 
 
 def _federation_env(args: argparse.Namespace) -> dict[str, str]:
-  """The environment of the federation's processes: the current directory on the
-  Python path (for `--algorithms module:builder`) and JAX's compilation cache."""
-  path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
-  env = {"PYTHONPATH": path}
+  """The environment of the federation's processes: JAX's compilation cache, and the
+  current directory appended to the Python path only for a `module:builder` of
+  `--algorithms` (never first: a `tqdm.py` there must not shadow a package)."""
+  env = {}
+  if any(map(_importing, args.algorithms)):
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (os.environ.get("PYTHONPATH"), os.getcwd()) if p)
   if not args.no_compilation_cache:
     env.update(
         JAX_COMPILATION_CACHE_DIR=compilation_cache_dir(),
@@ -492,18 +537,35 @@ def _resume_notice(args: argparse.Namespace) -> None:
           file=sys.stderr)
 
 
+def _prepare(config: simulate.ExperimentConfig, args: argparse.Namespace
+             ) -> dict[int, simulate.Setup]:
+  """Each seed's federation (downloaded first with `--download`). A dataset that
+  cannot be loaded or partitioned is an error without a traceback, its message
+  (one line or several) as the library wrote it, a leading field named as its
+  flag."""
+  try:
+    if args.download:
+      datasets.load(config.dataset, data_dir=config.data_dir, download=True)
+    return {seed: simulate.prepare(config, seed) for seed in args.seeds}
+  except (FileNotFoundError, ImportError, ValueError) as e:
+    raise _fail(_flag_message(e)) from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   """Entry point of `pflax-run` and `python -m pflax`."""
   args = _parser().parse_args(argv)
   try:
-    return _main(args, _given(argv))
+    with warnings.catch_warnings():
+      warnings.showwarning = _one_line_warnings(warnings.showwarning)
+      return _main(args, _given(argv))
   except KeyboardInterrupt:
     print("pflax-run: interrupted", file=sys.stderr)
     return 130
 
 
 def _main(args: argparse.Namespace, given: set[str]) -> int:
-  sys.path.insert(0, os.getcwd())  # for --algorithms module:builder
+  if "algorithms" in given and any(map(_importing, args.algorithms)):
+    sys.path.append(os.getcwd())  # for --algorithms module:builder, never first
   if args.list_presets:
     print(presets.listing())
     return 0
@@ -520,9 +582,7 @@ def _main(args: argparse.Namespace, given: set[str]) -> int:
                                num_processes=args.num_processes,
                                process_id=args.process_id)
   _resume_notice(args)
-  if args.download:
-    datasets.load(config.dataset, data_dir=config.data_dir, download=True)
-  setups = {seed: simulate.prepare(config, seed) for seed in args.seeds}
+  setups = _prepare(config, args)
   recorded = _config_dict(config, args)
   runs = []
   if args.flower:
@@ -539,7 +599,7 @@ def _main(args: argparse.Namespace, given: set[str]) -> int:
   results = records.Results(recorded, setups[args.seeds[0]].federation.counts,
                             tuple(runs))
   results.save(os.path.join(args.out, "results.json"))
-  written = plots.write_all(results, args.out)
-  print(_table(runs))
+  written = results.plot(args.out)
+  print(results.table())
   print(f"wrote {os.path.join(args.out, 'results.json')} and {', '.join(written)}")
   return 0

@@ -35,9 +35,11 @@ from pflax._src import algorithm as alg
 from pflax._src import groups as groups_lib
 from pflax._src import mapping
 from pflax._src import models as models_lib
+from pflax._src import parts as parts_lib
 from pflax._src import prng
 from pflax._src import train as train_lib
 from pflax._src import tree as tree_lib
+from pflax._src import types
 from pflax._src import weights as weights_lib
 from pflax._src.data import federation as federation_lib
 
@@ -134,6 +136,8 @@ class Plan:
     fault_fraction: fraction of each round's participants that upload NaN.
     local_epochs, batch_size: local training.
     strategy: the client mapping, resolved (`pflax.train.STRATEGIES`).
+    output: selector of the models' output layer (`pflax.models.Parts`), whose
+      norms every evaluation reports.
   """
   build: Callable[[Any], groups_lib.Groups]
   num_clients: int
@@ -142,6 +146,7 @@ class Plan:
   local_epochs: int
   batch_size: int
   strategy: str
+  output: types.Selector = parts_lib.PFLAX_OUTPUT
 
 
 class RoundMetrics(NamedTuple):
@@ -436,7 +441,7 @@ def _evaluator(plan: Plan, groups: groups_lib.Groups) -> Callable[..., Any]:
         count(h[kind], f.test_x, f.test_y, f.test_valid)
         for count, h, f in zip(counters, held, feds)), built, m)
                for kind in held[0]}
-    norms = [output_norms(h["personalized"]) for h in held]
+    norms = [output_norms(h["personalized"], plan.output) for h in held]
     if len(norms) == 1:
       return correct, norms[0]
     out = jnp.zeros((m, norms[0].shape[-1]), jnp.float32)
@@ -446,15 +451,33 @@ def _evaluator(plan: Plan, groups: groups_lib.Groups) -> Callable[..., Any]:
   return evaluate
 
 
-def output_norms(params: Any) -> chex.Array:
-  """`(M, K)` l2-norms of each client's output-layer weight vectors (cwFedAvg Fig. 3)."""
-  kernel = models_lib.output_kernel(params).astype(jnp.float32)
+def output_norms(params: Any, where: types.Selector = parts_lib.PFLAX_OUTPUT
+                 ) -> chex.Array:
+  """`(M, K)` l2-norms of each client's output-layer weight vectors (cwFedAvg Fig. 3).
+
+  Args:
+    params: stacked models.
+    where: selector of the output layer (`pflax.models.Parts.output`).
+  """
+  kernel = parts_lib.output_kernel(params, where).astype(jnp.float32)
   return jnp.sqrt(jnp.sum(jnp.square(kernel), axis=-2))
 
 
-@functools.lru_cache(maxsize=32)
 def programs(plan: Plan) -> Programs:
-  """The jitted, run-mapped init, round and evaluation of a plan (once per plan)."""
+  """The jitted, run-mapped init, round and evaluation of a plan, once per plan.
+
+  A plan whose model cannot be hashed (a Flax module with a list field, such
+  as `nn.Sequential`) gets its programs built anew for each sweep.
+  """
+  try:
+    hash(plan)
+  except TypeError:
+    return build_programs(plan)
+  return cached_programs(plan)
+
+
+def build_programs(plan: Plan) -> Programs:
+  """`programs(plan)`, built without the cache."""
   groups = plan.build(None)
   num_groups = len(groups.members)
   starting = jax.jit(jax.vmap(lambda value, feds, counts, seed: _initial_carry(
@@ -470,3 +493,7 @@ def programs(plan: Plan) -> Programs:
                   functools.partial(_round_inputs, plan), _round_outputs)
   return Programs(initial=starting, init=init, round=round_,
                   evaluate=jax.jit(jax.vmap(_evaluator(plan, groups))))
+
+
+cached_programs = functools.lru_cache(maxsize=32)(build_programs)
+"""`build_programs` once per (hashable) plan."""

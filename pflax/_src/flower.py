@@ -27,16 +27,31 @@ a client keeps between rounds (FedReMa's momentum) stays in its `Context`.
 What the server computes from the uploads (class counts from the output
 layer, FedReMa's soft logits on its probe, FedDWA's similarities) needs no
 extra message: the class counts of cwFedAvg travel once, at registration.
+
+Nothing a node sends is trusted. Each array's `.npy` header is compared with
+the expected leaf (shape, dtype, C order) before its data is read, and every
+number is checked: counts are integers in `[0, MAX_COUNT]`, a loss is finite,
+an evaluation has `correct <= tests <=` the test samples its client registered.
+A `train` or `evaluate` reply that fails any check, or fails to decode in any
+way, drops its client from that round (`dropped_clients`, or left out of the
+round's accuracy) and nobody else. A registration that fails a check (class
+counts that are negative, too large or of another K than the other clients',
+the federation's counts summing past `MAX_COUNT`, another input shape) refuses
+the run before round 1 with an error naming the node and client: the initial
+state needs every client's class counts.
 """
 
+import collections
 import dataclasses
 import functools
+import io
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -51,6 +66,7 @@ try:
   from flwr import app as flwr_app
   from flwr import clientapp as flwr_clientapp
   from flwr import serverapp as flwr_serverapp
+  from flwr.common.constant import SType
   from flwr.serverapp import strategy as flwr_strategy
 except ImportError as e:  # pragma: no cover - exercised without the extra
   raise ImportError("pflax.flower needs Flower: pip install 'pflax[flower]'") from e
@@ -74,11 +90,12 @@ def to_record(tree: Any) -> "flwr_app.ArrayRecord":
 
 
 def from_record(record: "flwr_app.ArrayRecord", like: Any, name: str = "record") -> Any:
-  """The pytree of `like`'s structure, shapes and dtypes stored in `record`.
+  """The pytree of `like`'s structure, shapes and dtypes stored in `record`;
+  each array's `.npy` header is checked before its data is read (`_decoded`).
 
   Raises:
     ValueError: naming `name` and the first key missing, unexpected, or of
-      another shape or dtype than `like`'s.
+      another shape or dtype than `like`'s, or bytes that are not its `.npy`.
   """
   paths = jax.tree_util.tree_leaves_with_path(like)
   expected = {jax.tree_util.keystr(path): leaf for path, leaf in paths}
@@ -86,14 +103,49 @@ def from_record(record: "flwr_app.ArrayRecord", like: Any, name: str = "record")
   missing = sorted(set(expected) - set(record))
   if extra or missing:
     raise ValueError(f"{name}: keys {missing} missing and {extra} unexpected.")
-  leaves = []
-  for key, leaf in expected.items():
-    value = record[key].numpy()
-    if value.shape != np.shape(leaf) or value.dtype != np.dtype(leaf.dtype):
-      raise ValueError(f"{name}[{key}] must be {np.dtype(leaf.dtype)}"
-                       f"{tuple(np.shape(leaf))}, got {value.dtype}{value.shape}.")
-    leaves.append(value)
+  leaves = [_decoded(record[key], leaf, f"{name}{key}")
+            for key, leaf in expected.items()]
   return jax.tree.unflatten(jax.tree.structure(like), leaves)
+
+
+_NPY_HEADERS = {(1, 0): np.lib.format.read_array_header_1_0,
+                (2, 0): np.lib.format.read_array_header_2_0}
+
+
+def _decoded(array: "flwr_app.Array", like: Any, name: str = "array") -> np.ndarray:
+  """The array of `like`'s shape and dtype that `array`'s `.npy` bytes hold.
+
+  The `.npy` header (shape, dtype, order) is read and compared with `like`
+  before anything is allocated, and the payload must be exactly that many bytes:
+  bytes from another machine cannot make this allocate more than `like` (a header
+  declaring 10**12 elements) or load a pickle (an object dtype).
+
+  Raises:
+    ValueError: naming `name`, for bytes that are not `.npy` of a C-ordered
+      array of `like`'s shape and dtype.
+  """
+  shape, dtype = tuple(np.shape(like)), np.dtype(like.dtype)
+  if array.stype != SType.NUMPY:
+    raise ValueError(f"{name} must be serialized as {SType.NUMPY}, got "
+                     f"{array.stype!r}.")
+  stream = io.BytesIO(array.data)
+  try:
+    version = np.lib.format.read_magic(stream)
+    if version not in _NPY_HEADERS:
+      raise ValueError(f"format version {version} is not read")
+    got_shape, fortran, got_dtype = _NPY_HEADERS[version](stream)
+  except ValueError as e:
+    raise ValueError(f"{name} is not .npy bytes: {e}.") from None
+  if got_shape != shape or got_dtype != dtype:
+    raise ValueError(f"{name} must be {dtype}{shape}, got {got_dtype}{got_shape}.")
+  if fortran:
+    raise ValueError(f"{name} must be in C order, got Fortran order.")
+  size = math.prod(shape) * dtype.itemsize
+  if len(array.data) - stream.tell() != size:
+    raise ValueError(f"{name} must hold {size} bytes after its header, got "
+                     f"{len(array.data) - stream.tell()}.")
+  return np.frombuffer(array.data, dtype, math.prod(shape), stream.tell()
+                       ).reshape(shape).copy()
 
 
 def pack(tree: Any) -> tuple["flwr_app.ArrayRecord", "flwr_app.ConfigRecord"]:
@@ -141,6 +193,85 @@ def _unpacked(content: "flwr_app.RecordDict", like: Any, name: str) -> Any:
 
 def _row(stacked: Any, i: int) -> Any:
   return jax.tree.map(lambda x: np.asarray(x[i]), stacked)
+
+
+# --- the numbers a node declares ---------------------------------------------
+
+MAX_COUNT = 2**31 - 1
+"""The largest count a node may declare, and the largest sum of the federation's
+training class counts: the algorithms add class counts in int32."""
+
+
+def _count(value: Any, name: str, most: int = MAX_COUNT) -> int:
+  """`value` as an int in `[0, most]`; ValueError naming `name` for anything else
+  (a float, a bool, inf, a negative or larger number)."""
+  if (isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer))
+      or not 0 <= value <= most):
+    raise ValueError(f"{name} must be an integer in [0, {most}], got {value!r}.")
+  return int(value)
+
+
+def _finite(value: Any, name: str) -> float:
+  """`value`, a float, if it is finite; ValueError naming `name` for anything else."""
+  if not isinstance(value, (float, np.floating)) or not math.isfinite(value):
+    raise ValueError(f"{name} must be a finite number, got {value!r}.")
+  return float(value)
+
+
+def _reason(error: Exception) -> str:
+  return f"{type(error).__name__}: {error}"
+
+
+class _Registration(NamedTuple):
+  """What a node declares once, at registration (`_registration` checks it)."""
+  class_counts: tuple[int, ...]
+  input_shape: tuple[int, ...]
+  tests: int
+
+
+def _registration(summary: "flwr_app.MetricRecord", num_clients: int
+                  ) -> tuple[int, _Registration]:
+  """`(client, registration)` of a `query` reply's summary.
+
+  Raises:
+    ValueError: for a client id outside `[0, num_clients)`, class counts that
+      are not a non-empty list of integers in `[0, MAX_COUNT]`, an input shape
+      that is not a non-empty list of positive integers, a test count that is
+      not an integer in `[0, MAX_COUNT]`.
+  """
+  client = _count(summary["client"], "client (the node's partition-id)",
+                  num_clients - 1)
+  counts, shape = summary["class-counts"], summary["input-shape"]
+  if not isinstance(counts, list) or not counts:
+    raise ValueError(f"client {client}'s class-counts must be a non-empty list of "
+                     f"integers, got {counts!r}.")
+  if not isinstance(shape, list) or not shape:
+    raise ValueError(f"client {client}'s input-shape must be a non-empty list of "
+                     f"integers, got {shape!r}.")
+  counts = tuple(_count(c, f"client {client}'s class-counts[{j}]")
+                 for j, c in enumerate(counts))
+  shape = tuple(_count(d, f"client {client}'s input-shape[{j}]") for j, d in
+                enumerate(shape))
+  if min(shape) < 1:
+    raise ValueError(f"client {client}'s input-shape must be positive, got {shape}.")
+  return client, _Registration(counts, shape, _count(summary["tests"],
+                                                     f"client {client}'s tests"))
+
+
+def _agreed(values: Mapping[int, Any], what: str) -> Any:
+  """The value of `{client: value}` that most clients registered.
+
+  Raises:
+    RuntimeError: naming the first client that registered another value
+      (`what.format(value)` says what it is).
+  """
+  common, _ = collections.Counter(values.values()).most_common(1)[0]
+  for client, value in values.items():
+    if value != common:
+      raise RuntimeError(f"client {client} registered {what.format(value)}, most "
+                         f"clients {what.format(common)}: the clients of a federation "
+                         "hold data of one kind.")
+  return common
 
 
 # --- the experiment, as the server and the clients build it --------------------
@@ -227,34 +358,54 @@ class PflaxStrategy(flwr_strategy.Strategy):
     return nodes
 
   def register(self, grid: "flwr_serverapp.Grid", timeout: float) -> None:
-    """Asks every node for its client id and data summary; builds the initial state."""
+    """Asks every node for its client id and data summary; builds the initial state.
+
+    Raises:
+      RuntimeError: naming the node or client, for a node that fails or sends
+        an invalid registration (`_registration`), clients that register other
+        input shapes or K, class counts summing past `MAX_COUNT`, a client id
+        registered twice or not at all.
+    """
     nodes = self._wait_for_nodes(grid, timeout)
     query = lambda: flwr_app.RecordDict({"config": flwr_app.ConfigRecord(
         {"experiment": self.experiment.to_json()})})
     replies = grid.send_and_receive(
         [flwr_app.Message(content=query(), dst_node_id=n, message_type=QUERY)
          for n in nodes], timeout=timeout)
-    summaries = {}
+    registered: dict[int, _Registration] = {}
     for reply in replies:
+      node = reply.metadata.src_node_id
       if reply.has_error():
-        raise RuntimeError(f"node {reply.metadata.src_node_id} failed to register: "
-                           f"{reply.error.reason}")
-      m = reply.content["summary"]
-      client = int(m["client"])
-      if not 0 <= client < self.num_clients or client in summaries:
-        raise RuntimeError(f"node {reply.metadata.src_node_id} registered as client "
-                           f"{client}: each of 0..{self.num_clients - 1} must be one "
-                           "node's partition-id, once.")
-      summaries[client] = m
-      self.nodes[client] = reply.metadata.src_node_id
-    if len(summaries) != self.num_clients:
-      missing = sorted(set(range(self.num_clients)) - set(summaries))
+        raise RuntimeError(f"node {node} failed to register: {reply.error.reason}")
+      try:
+        client, registration = _registration(reply.content["summary"],
+                                             self.num_clients)
+      except Exception as e:  # pylint: disable=broad-except  # whatever a node sends
+        raise RuntimeError(f"node {node} sent an invalid registration: "
+                           f"{_reason(e)}") from None
+      if client in registered:
+        raise RuntimeError(f"node {node} registered as client {client}, as node "
+                           f"{self.nodes[client]} did: each of 0.."
+                           f"{self.num_clients - 1} must be one node's partition-id, "
+                           "once.")
+      registered[client] = registration
+      self.nodes[client] = node
+    if len(registered) != self.num_clients:
+      missing = sorted(set(range(self.num_clients)) - set(registered))
       raise RuntimeError(f"clients {missing} did not register within {timeout} s.")
-    first = summaries[0]
-    self.input_shape = tuple(int(d) for d in first["input-shape"])
-    self.class_counts = np.array([summaries[i]["class-counts"]
-                                  for i in range(self.num_clients)], np.int32)
-    self.tests = np.array([summaries[i]["tests"] for i in range(self.num_clients)])
+    registered = dict(sorted(registered.items()))
+    self.input_shape = _agreed({c: r.input_shape for c, r in registered.items()},
+                               "inputs of shape {}")
+    _agreed({c: len(r.class_counts) for c, r in registered.items()}, "{} classes")
+    totals = {c: sum(r.class_counts) for c, r in registered.items()}
+    if sum(totals.values()) > MAX_COUNT:
+      most = max(totals, key=totals.get)
+      raise RuntimeError(f"the clients' class counts sum to {sum(totals.values())}, "
+                         f"more than {MAX_COUNT} (the algorithms add them in int32); "
+                         f"client {most} registered {totals[most]} samples.")
+    self.class_counts = np.array([r.class_counts for r in registered.values()],
+                                 np.int32)
+    self.tests = np.array([r.tests for r in registered.values()], np.int64)
     self._algorithm, self.model = self.experiment.build(self.input_shape,
                                                         self.class_counts.shape[1])
     self._state = protocol.initial_state(
@@ -272,26 +423,52 @@ class PflaxStrategy(flwr_strategy.Strategy):
 
   def _uploads(self, replies: Iterable["flwr_app.Message"], expected: Iterable[int]
                ) -> tuple[dict[int, Any], dict[int, float], int]:
-    """`(uploads, losses, bytes)` of the well-formed replies of `expected` clients."""
-    expected = set(expected)
+    """`(uploads, losses, bytes)` of the valid replies of `expected` clients
+    (`_upload`); any other reply, whatever is wrong with it, is logged and left
+    out: its client is dropped from the round, the others are not affected."""
+    waiting = {int(i) for i in expected}
     uploads, losses, received = {}, {}, 0
-    starts = self._tasks.starts
     for reply in replies:
-      if reply.has_error():
-        LOG.warning("node %s: %s", reply.metadata.src_node_id, reply.error.reason)
-        continue
       try:
-        client = int(reply.content["metrics"]["client"])
-        if client not in expected or self.nodes[client] != reply.metadata.src_node_id:
-          raise ValueError(f"a reply for client {client} from node "
-                           f"{reply.metadata.src_node_id}, which was not asked")
-        uploads[client] = _unpacked(reply.content, {"model": _row(starts, client)},
-                                    f"client {client}'s model")["model"]
-        losses[client] = float(reply.content["metrics"]["loss"])
-        received += reply.content["arrays"].count_bytes()
-      except (KeyError, ValueError, TypeError) as e:
-        LOG.warning("dropped a malformed reply: %s", e)
+        client, upload, loss = self._upload(reply, waiting)
+      except Exception as e:  # pylint: disable=broad-except  # whatever a node sends
+        LOG.warning("node %s: reply dropped: %s", reply.metadata.src_node_id,
+                    _reason(e))
+        continue
+      waiting.remove(client)
+      uploads[client], losses[client] = upload, loss
+      received += reply.content["arrays"].count_bytes()
     return uploads, losses, received
+
+  def _replying_client(self, reply: "flwr_app.Message", waiting: set[int],
+                       what: str) -> tuple[Any, int]:
+    """`(metrics, client)` of a reply from the node of a client of `waiting`.
+
+    Raises:
+      ValueError: the node failed, or replied for a client it was not asked for
+        (or one answered already).
+    """
+    if reply.has_error():
+      raise ValueError(f"the node failed: {reply.error.reason}")
+    metrics = reply.content["metrics"]
+    client = _count(metrics["client"], "client", self.num_clients - 1)
+    if client not in waiting or self.nodes[client] != reply.metadata.src_node_id:
+      raise ValueError(f"{what} client {client}, which this node was not asked for "
+                       "(or that was answered already)")
+    return metrics, client
+
+  def _upload(self, reply: "flwr_app.Message", waiting: set[int]
+              ) -> tuple[int, Any, float]:
+    """`(client, model, loss)` of a `train` reply: from the node of a client of
+    `waiting`, a model of its starting model's shapes and dtypes, a finite loss.
+
+    Raises:
+      ValueError (or whatever decoding raises): for any other reply.
+    """
+    metrics, client = self._replying_client(reply, waiting, "a reply for")
+    model = _unpacked(reply.content, {"model": _row(self._tasks.starts, client)},
+                      f"client {client}'s model")["model"]
+    return client, model, _finite(metrics["loss"], f"client {client}'s loss")
 
   def warm_up(self, grid: "flwr_serverapp.Grid", timeout: float) -> None:
     """The algorithm's warm-up (`Algorithm.warmup`): every client trains once."""
@@ -397,24 +574,16 @@ class PflaxStrategy(flwr_strategy.Strategy):
     kinds = tuple(self._algorithm.evaluate(self._state))
     correct = {kind: np.zeros(self.num_clients, np.int64) for kind in kinds}
     tests = np.zeros(self.num_clients, np.int64)
+    waiting = set(range(self.num_clients))
     for reply in replies:
-      if reply.has_error():
-        LOG.warning("node %s: %s", reply.metadata.src_node_id, reply.error.reason)
-        continue
       try:
-        m = reply.content["metrics"]
-        client = int(m["client"])
-        if self.nodes.get(client) != reply.metadata.src_node_id:
-          raise ValueError(f"an evaluation of client {client} from node "
-                           f"{reply.metadata.src_node_id}")
-        counts = {kind: int(m[f"correct-{kind}"]) for kind in kinds}
-        if not all(0 <= c <= self.tests[client] for c in counts.values()):
-          raise ValueError(f"client {client}'s correct counts {counts} are not in "
-                           f"[0, {self.tests[client]}]")
-      except (KeyError, ValueError, TypeError) as e:
-        LOG.warning("dropped a malformed evaluation: %s", e)
+        client, tested, counts = self._evaluation(reply, kinds, waiting)
+      except Exception as e:  # pylint: disable=broad-except  # whatever a node sends
+        LOG.warning("node %s: evaluation dropped: %s", reply.metadata.src_node_id,
+                    _reason(e))
         continue
-      tests[client] = self.tests[client]
+      waiting.remove(client)
+      tests[client] = tested
       for kind in kinds:
         correct[kind][client] = counts[kind]
     accuracies = {kind: records.Accuracy.of(c, tests) for kind, c in correct.items()}
@@ -422,6 +591,22 @@ class PflaxStrategy(flwr_strategy.Strategy):
     self._finish_round()
     return flwr_app.MetricRecord({f"{kind}_accuracy": a.accuracy
                                   for kind, a in accuracies.items()})
+
+  def _evaluation(self, reply: "flwr_app.Message", kinds: tuple[str, ...],
+                  waiting: set[int]) -> tuple[int, int, dict[str, int]]:
+    """`(client, tests, {kind: correct})` of an `evaluate` reply: from the node of
+    a client of `waiting`, with `correct <= tests <=` the test samples that client
+    registered, all integers.
+
+    Raises:
+      ValueError: for any other reply.
+    """
+    m, client = self._replying_client(reply, waiting, "an evaluation of")
+    tests = _count(m["tests"], f"client {client}'s tests (registered: "
+                   f"{self.tests[client]})", int(self.tests[client]))
+    return client, tests, {kind: _count(m[f"correct-{kind}"],
+                                        f"client {client}'s correct-{kind}", tests)
+                           for kind in kinds}
 
   def summary(self) -> None:
     LOG.info("pflax %s on %d clients, seed %d", self.experiment.algorithm,

@@ -164,7 +164,7 @@ class DenseFeatures(nn.Module):
     return x
 
 
-class _SplitModel(nn.Module):
+class SplitModel(nn.Module):
   """Base class: ``logits = classifier(features(x))``.
 
   Subclasses are dataclasses defining ``feature_extractor()`` and ``head()``,
@@ -202,7 +202,7 @@ class _SplitModel(nn.Module):
     return self.classifier.representation(self.features(x))
 
 
-class CNN(_SplitModel):
+class CNN(SplitModel):
   """The FedAvg CNN: ``[conv + ReLU + max-pool] x 2``, ``Dense 512``, ``Dense K``.
 
   ``features`` is the convolutions plus flatten; ``classifier`` is
@@ -254,7 +254,7 @@ class CNN(_SplitModel):
     return Head(self.num_classes, (self.hidden,))
 
 
-class MLP(_SplitModel):
+class MLP(SplitModel):
   """Fully connected network, e.g. 784-200-200-10 (the FedAvg "2NN").
 
   ``features`` is flatten + ``dense_0 = Dense(hidden[0])`` + ReLU;
@@ -348,20 +348,6 @@ def heterogeneous_family(
           padding="SAME"),
       MLP(num_classes, hidden=(256, d)),
   )
-
-
-def output_kernel(params: types.Tree) -> chex.Array:
-  """The output layer's kernel `(..., D, K)` of a pflax model's parameters.
-
-  Works on one model's parameters and on stacked ones (`(M, D, K)`).
-
-  Example:
-    >>> import jax, jax.numpy as jnp
-    >>> params = MLP(10).init(jax.random.key(0), jnp.zeros((1, 64)))['params']
-    >>> output_kernel(params).shape
-    (200, 10)
-  """
-  return params["classifier"]["output"]["kernel"]
 
 
 def feature_dim(model: nn.Module, input_shape: Sequence[int]) -> int:

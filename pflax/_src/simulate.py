@@ -6,12 +6,14 @@ a sweep equals `run(algorithm, config_r, seed_r)` up to float rounding.
 """
 
 import dataclasses
+import difflib
 import functools
 import importlib
 import inspect
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -28,15 +30,22 @@ from pflax._src import engine
 from pflax._src import groups as groups_lib
 from pflax._src import mapping
 from pflax._src import models
+from pflax._src import parts as parts_lib
+from pflax._src import prng
 from pflax._src import records
 from pflax._src import sharding
+from pflax._src import train as train_lib
+from pflax._src.data import arrays as arrays_lib
 from pflax._src.data import datasets
 from pflax._src.data import dirichlet as dirichlet_lib
 from pflax._src.data import federation as federation_lib
 from pflax._src.data import groups as label_groups_lib
+from pflax._src.data import partition as partition_lib
 from pflax._src.data import pathological as pathological_lib
 
 PARTITIONS = ("pathological", "dirichlet", "groups")
+TEST_SPLITS = ("clients", "dataset")
+"""Where the clients' test data come from (`ExperimentConfig.test_split`)."""
 HEAD_SHARING = ("local", "fedavg", "cwfedavg", "fedclassavg", "fedsa")
 """pflax's algorithms whose server step and client context read only the output
 layer, so `heterogeneous=True` can wrap them (`pflax.algorithms.heterogeneous`)."""
@@ -52,7 +61,23 @@ class ExperimentConfig:
     dataset, data_dir: the dataset (`pflax.data.load`).
     partition: "pathological" (`classes_per_client`), "dirichlet"
       (`dirichlet_alpha`) or "groups" (`iid_fraction`, FedReMa's s).
-    clients, participation: M and the fraction of clients per round.
+    samples_per_client: S, each client's samples (None: all it is dealt).
+      "groups" draws exactly S per client, with exact class quotas; the other
+      partitions keep a random subset of `min(n_i, S)` of each client's
+      samples (NumPy, seeded by `(seed, 1)`). With `test_split` "clients" S
+      counts training and test samples (FedReMa: 600 split 4:1), with
+      "dataset" training samples only.
+    test_fraction: each client's share of test samples, per class, in (0, 1)
+      (`pflax.data.train_test_split`): 0.25, the papers' 75/25; FedReMa's 4:1
+      is 0.2. Unused with `test_split` "dataset".
+    test_split: "clients" (the papers' protocol): the dataset's train and test
+      splits pooled (`pflax.data.pooled`), partitioned, and each client's
+      data split by `test_fraction`; "dataset": the train split partitioned
+      and each client tested on the dataset's own test split, dealt with its
+      class mix (`pflax.data.federate(..., test=...)`).
+    clients, participation: M and the fraction p of clients per round:
+      `max(1, round(p M))` take part (a warning when that is more than 10%
+      from p M, `participation_warning`).
     faulty_clients: fraction of each round's participants that upload NaN.
     rounds, eval_every: rounds, and evaluation every this many rounds (and
       after the last).
@@ -70,7 +95,8 @@ class ExperimentConfig:
       features diverged under the common SGD base (9.8% accuracy on digits,
       against 99.8% with Adam).
     hyperparameters: per algorithm, keyword arguments of its builder (the
-      others keep the builder's defaults).
+      others keep the builder's defaults). Keys of `optimizers` and
+      `hyperparameters` name algorithms (`check_algorithm_keys`).
   """
   dataset: str = "digits"
   data_dir: str | None = None
@@ -79,6 +105,9 @@ class ExperimentConfig:
   classes_per_client: int = 2
   dirichlet_alpha: float = 0.1
   iid_fraction: float = 0.2
+  samples_per_client: int | None = None
+  test_fraction: float = 0.25
+  test_split: str = "clients"
   participation: float = 1.0
   faulty_clients: float = 0.0
   rounds: int = 40
@@ -102,11 +131,40 @@ class ExperimentConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Setup:
-  """A prepared federation (host arrays) with its model."""
+  """A prepared federation (host arrays) with its model, checked against each other.
+
+  Attributes:
+    federation: the clients' data (`pflax.data.federate`).
+    model: any Flax model mapping `(B, *input_shape)` to `(B, num_classes)`
+      logits.
+    input_shape: one example's shape (the federation's).
+    num_classes: K (the federation's class counts' width).
+    parts: the model's `pflax.models.Parts`; None: found by
+      `pflax.models.model_parts` (pflax's models by name, any other by its
+      last Dense layer).
+
+  Raises:
+    ValueError: at construction, when the model, `input_shape`, `num_classes`
+      and the federation disagree.
+  """
   federation: federation_lib.Federation
   model: nn.Module
   input_shape: tuple[int, ...]
   num_classes: int
+  parts: parts_lib.Parts | None = None
+
+  def __post_init__(self):
+    fed = self.federation
+    if tuple(self.input_shape) != tuple(fed.x.shape[2:]):
+      raise ValueError(f"input_shape must be the federation's examples' shape "
+                       f"{tuple(fed.x.shape[2:])}, got {tuple(self.input_shape)}.")
+    if self.num_classes != fed.counts.shape[1]:
+      raise ValueError(f"num_classes must be the federation's {fed.counts.shape[1]} "
+                       f"classes (its class counts' width), got {self.num_classes}.")
+    parts = parts_lib.checked(self.model, self.parts, self.input_shape,
+                              self.num_classes)
+    object.__setattr__(self, "input_shape", tuple(self.input_shape))
+    object.__setattr__(self, "parts", parts)
 
 
 def client_optimizer(optimizer: str = "sgd", lr: float = 0.05, momentum: float = 0.0,
@@ -128,20 +186,31 @@ def client_optimizer(optimizer: str = "sgd", lr: float = 0.05, momentum: float =
 
 
 def _partition(config: ExperimentConfig, labels: np.ndarray, num_classes: int,
-               seed: int):
-  if config.partition == "pathological":
-    return pathological_lib.pathological(labels, config.clients,
-                                         config.classes_per_client,
-                                         num_classes=num_classes, seed=seed)
-  if config.partition == "dirichlet":
-    return dirichlet_lib.dirichlet(labels, config.clients, config.dirichlet_alpha,
-                                   num_classes=num_classes, seed=seed,
-                                   min_partition_size=min(10, len(labels)
-                                                          // config.clients))
+               seed: int) -> partition_lib.Partition:
+  """The clients' samples: `config.partition`, cut to `config.samples_per_client`."""
+  size = config.samples_per_client
   if config.partition == "groups":
     return label_groups_lib.groups(labels, config.clients,
-                                   iid_fraction=config.iid_fraction, seed=seed)
-  raise ValueError(f"partition must be one of {PARTITIONS}, got {config.partition!r}.")
+                                   iid_fraction=config.iid_fraction,
+                                   samples_per_client=size, seed=seed)
+  if config.partition == "pathological":
+    partition = pathological_lib.pathological(labels, config.clients,
+                                              config.classes_per_client,
+                                              num_classes=num_classes, seed=seed)
+  elif config.partition == "dirichlet":
+    partition = dirichlet_lib.dirichlet(labels, config.clients, config.dirichlet_alpha,
+                                        num_classes=num_classes, seed=seed,
+                                        min_partition_size=min(10, len(labels)
+                                                               // config.clients))
+  else:
+    raise ValueError(f"partition must be one of {PARTITIONS}, got "
+                     f"{config.partition!r}.")
+  if size is None:
+    return partition
+  rng = np.random.default_rng((seed, 1))  # a stream of its own, from the seed
+  kept = [rng.choice(idx, min(len(idx), size), replace=False)
+          for idx in partition.indices]
+  return partition_lib.make_partition(labels, kept, num_classes)
 
 
 def _model_name(name: str, input_shape: tuple[int, ...]) -> str:
@@ -155,16 +224,73 @@ def _model_name(name: str, input_shape: tuple[int, ...]) -> str:
   return "cnn" if min(input_shape[:2]) >= 16 else "mlp"
 
 
-def prepare(config: ExperimentConfig, seed: int) -> Setup:
-  """Loads the dataset, partitions it over clients (75/25 split) and stacks it (NumPy)."""
-  dataset = datasets.load(config.dataset, data_dir=config.data_dir)
+Data = datasets.Dataset | federation_lib.Federation
+"""What `prepare`, `run` and `sweep` take as `dataset=`: a `pflax.data.Dataset`
+(partitioned by the configuration), or a prepared `pflax.data.Federation`."""
+
+
+def _federation(config: ExperimentConfig, seed: int,
+                dataset: Data | None) -> federation_lib.Federation:
+  """The clients' data: `dataset` itself when it is a federation, else
+  `dataset` (default: `config.dataset` loaded) partitioned and split as
+  `config.test_split` says."""
+  if isinstance(dataset, federation_lib.Federation):
+    return dataset
+  if dataset is None:
+    dataset = datasets.load(config.dataset, data_dir=config.data_dir)
+  elif not isinstance(dataset, datasets.Dataset):
+    raise ValueError(f"dataset must be a pflax.data.Dataset or a prepared "
+                     f"pflax.data.Federation, got {type(dataset).__name__}.")
+  if config.test_split not in TEST_SPLITS:
+    raise ValueError(f"test_split must be one of {TEST_SPLITS}, got "
+                     f"{config.test_split!r}.")
+  test = None
+  if config.test_split == "clients":
+    dataset = arrays_lib.pooled(dataset)
+  elif dataset.test_images is None:
+    raise ValueError(f"test_split: the dataset {dataset.name!r} has no test split of "
+                     f"its own; use 'clients' (each client's data split by "
+                     f"test_fraction).")
+  else:
+    test = (dataset.test_images, dataset.test_labels)
+  check_data(config, dataset.labels, dataset.num_classes)
   partition = _partition(config, dataset.labels, dataset.num_classes, seed)
-  federation = federation_lib.federate(dataset.images, dataset.labels, partition,
-                                       seed=seed, batch_size=config.batch_size)
-  input_shape = tuple(dataset.images.shape[1:])
-  model = models.get_model(_model_name(config.model, input_shape), dataset.num_classes,
-                           input_shape)
-  return Setup(federation, model, input_shape, dataset.num_classes)
+  return federation_lib.federate(dataset.images, dataset.labels, partition,
+                                 seed=seed, batch_size=config.batch_size,
+                                 test_fraction=config.test_fraction, test=test)
+
+
+def prepare(config: ExperimentConfig, seed: int, *, dataset: Data | None = None,
+            model: nn.Module | None = None,
+            parts: parts_lib.Parts | None = None) -> Setup:
+  """An experiment's clients and model, checked against each other (NumPy data).
+
+  Args:
+    config: the experiment (its data handling and model name).
+    seed: the partition's and the train/test split's seed.
+    dataset: a `pflax.data.Dataset` (e.g. `pflax.data.from_arrays(x, y)`),
+      partitioned over `config.clients` by `config.partition` and split as
+      `config.test_split` says (by default each client's data 75/25); or a
+      prepared `pflax.data.Federation`, used as it is. None: `config.dataset`
+      loaded (`pflax.data.load`).
+    model: any Flax model; None: `config.model` (pflax's CNN or MLP).
+    parts: the model's `pflax.models.Parts`; None: found from the model.
+
+  Returns:
+    The `Setup`.
+
+  Raises:
+    ValueError: when the model does not fit the data (input shape, K) or a
+      part of it cannot be found.
+  """
+  federation = _federation(config, seed, dataset)
+  input_shape = tuple(federation.x.shape[2:])
+  num_classes = federation.counts.shape[1]
+  if model is None:
+    model = models.get_model(_model_name(config.model, input_shape), num_classes,
+                             input_shape)
+  check_partition(config, federation)
+  return Setup(federation, model, input_shape, num_classes, parts)
 
 
 Builder = Callable[..., alg.Algorithm]
@@ -214,11 +340,14 @@ class _Build:
   optimizer: tuple[tuple[str, Any], ...]
   hyperparameters: tuple[tuple[str, Any], ...]
   swept: str | None
+  parts: parts_lib.Parts | None = None
 
   def algorithm(self, model: nn.Module, value: Any) -> alg.Algorithm:
     opt, kw = dict(self.optimizer), dict(self.hyperparameters)
     if value is not None and self.swept is not None:
       (opt if self.swept == "lr" else kw)[self.swept] = value
+    if self.parts is not None and model == self.model and _takes_parts(self.builder):
+      kw.setdefault("parts", self.parts)   # heterogeneous members find their own
     return self.builder(model, client_optimizer(**opt), **kw)
 
   def __call__(self, value: Any) -> groups_lib.Groups:
@@ -228,6 +357,11 @@ class _Build:
           self.num_classes))
       return groups_lib.as_groups(wrapped, self.model, self.num_clients)
     return groups_lib.as_groups(build(self.model), self.model, self.num_clients)
+
+
+def _takes_parts(builder: Builder) -> bool:
+  """Whether `builder` reads a model's parts (has a `parts` keyword)."""
+  return "parts" in inspect.signature(builder).parameters
 
 
 def _algorithm_name(algorithm: str | Builder) -> str:
@@ -259,19 +393,55 @@ def _plan(algorithm: str | Builder, config: ExperimentConfig, setup: Setup,
           num_clients: int, strategy: str, swept: str | None) -> engine.Plan:
   """The engine's plan of an experiment (host checks of the builder included)."""
   builder, optimizer, keywords = _builder_arguments(algorithm, config)
+  pflax_model = parts_lib.is_pflax_model(setup.model)
   build = _Build(builder, setup.model, setup.num_classes, num_clients,
                  config.heterogeneous, tuple(sorted(optimizer.items())),
-                 tuple(sorted(keywords.items())), swept)
-  build.algorithm(setup.model, None)  # the builder's own checks, on the host
+                 tuple(sorted(keywords.items())), swept, setup.parts)
+  if config.heterogeneous and not pflax_model:
+    raise ValueError("heterogeneous=True trains pflax's family of architectures; "
+                     f"it does not take a model of your own ({type(setup.model).__name__}).")
+  algorithm_ = build.algorithm(setup.model, None)  # the builder's checks, on the host
+  known = pflax_model and setup.parts is parts_lib.pflax_parts(setup.model)
+  if not (known and builder in builders.BUILDERS.values()):
+    _check_fits(_algorithm_name(algorithm), algorithm_, setup)
   return engine.Plan(build=build, num_clients=config.clients,
                      participation=config.participation,
                      fault_fraction=config.faulty_clients,
                      local_epochs=config.local_epochs, batch_size=config.batch_size,
-                     strategy=strategy)
+                     strategy=strategy, output=setup.parts.output)
+
+
+def _check_fits(name: str, algorithm: alg.Algorithm, setup: Setup) -> None:
+  """Raises ValueError unless `algorithm` runs on the setup's model: its init, local
+  loss and server step traced abstractly on two clients (nothing is compiled)."""
+  fed = setup.federation
+  x = jax.ShapeDtypeStruct((2, *fed.x.shape[2:]), np.float32)
+  batch = train_lib.Batch(x, jax.ShapeDtypeStruct((2,), np.int32),
+                          jax.ShapeDtypeStruct((2,), np.bool_))
+  counts = jax.ShapeDtypeStruct((2, setup.num_classes), np.int32)
+  key = jax.eval_shape(lambda: prng.key(0))
+
+  def trace(key, x, counts, batch):
+    params = jax.vmap(lambda _: setup.model.init(key, x)["params"])(np.arange(2))
+    state = algorithm.init(params, counts, key)
+    start = algorithm.client_models(state)
+    context = algorithm.client_context(state)
+    first = lambda tree: None if tree is None else jax.tree.map(lambda v: v[0], tree)
+    loss = algorithm.loss(first(start), first(context), batch, key)
+    return loss, algorithm.server_update(state, start, np.ones(2, bool), key)
+
+  try:
+    jax.eval_shape(trace, key, x, counts, batch)
+  except Exception as e:  # pylint: disable=broad-except
+    text = str(e).splitlines()[0] if str(e) else ""
+    raise ValueError(f"{name} cannot run on model {type(setup.model).__name__}: "
+                     f"{type(e).__name__}: {text}") from None
 
 
 def check_config(config: ExperimentConfig) -> None:
-  """Raises ValueError naming the first field of `config` out of its range."""
+  """Raises ValueError naming the first field of `config` out of its range; warns
+  (UserWarning) when fewer or more clients take part than asked
+  (`participation_warning`)."""
   def require(ok, field, expected):
     if not ok:
       raise ValueError(f"{field} must be {expected}, got {getattr(config, field)!r}.")
@@ -280,6 +450,10 @@ def check_config(config: ExperimentConfig) -> None:
   require(config.dirichlet_alpha > 0 and math.isfinite(config.dirichlet_alpha),
           "dirichlet_alpha", "a finite number > 0")
   require(0.0 <= config.iid_fraction <= 1.0, "iid_fraction", "in [0, 1]")
+  require(config.samples_per_client is None or config.samples_per_client >= 1,
+          "samples_per_client", "None or >= 1")
+  require(0.0 < config.test_fraction < 1.0, "test_fraction", "in (0, 1)")
+  require(config.test_split in TEST_SPLITS, "test_split", f"one of {TEST_SPLITS}")
   require(0.0 < config.participation <= 1.0, "participation", "in (0, 1]")
   require(0.0 <= config.faulty_clients < 1.0, "faulty_clients", "a fraction in [0, 1)")
   require(config.rounds >= 1, "rounds", ">= 1")
@@ -287,11 +461,171 @@ def check_config(config: ExperimentConfig) -> None:
   require(config.local_epochs >= 1, "local_epochs", ">= 1")
   require(config.batch_size >= 1, "batch_size", ">= 1")
   require(config.lr > 0 and math.isfinite(config.lr), "lr", "a finite number > 0")
+  message = participation_warning(config)
+  if message:
+    warnings.warn(message, UserWarning)
+
+
+def participation_warning(config: ExperimentConfig) -> str | None:
+  """What to tell the user when `participation * clients` clients are asked for but
+  `max(1, round(participation * clients))` take part (`pflax.simulate.run`), and the
+  two differ by more than 10% of the former; else None.
+
+  >>> participation_warning(ExperimentConfig(clients=20, participation=0.01))
+  'participation 0.01 of 20 clients is 0.2 clients; 1 client takes part each round'
+  """
+  asked = config.participation * config.clients
+  taking = engine.num_participants(config.participation, config.clients)
+  if abs(taking - asked) <= 0.1 * asked:
+    return None
+  clients = "1 client takes" if taking == 1 else f"{taking} clients take"
+  return (f"participation {config.participation:g} of {config.clients} clients is "
+          f"{asked:g} clients; {clients} part each round")
+
+
+def _closest(name: str, known: Sequence[str]) -> str:
+  """` (did you mean 'x'?)` for the name of `known` closest to `name`, else ''."""
+  close = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
+  return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _keywords(builder: Builder) -> tuple[str, ...] | None:
+  """The keywords `builder` takes after `(model, optimizer)`; None if any."""
+  try:
+    params = list(inspect.signature(builder).parameters.values())
+  except (TypeError, ValueError):
+    return None
+  if any(p.kind == p.VAR_KEYWORD for p in params):
+    return None
+  return tuple(p.name for p in params[2:]
+               if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
+def _named_builder(table: str, name: str, run: Mapping[str, str | Builder]
+                   ) -> Builder:
+  """The builder that the key `name` of `config.<table>` configures."""
+  if name in builders.BUILDERS:
+    return builders.BUILDERS[name]
+  if name in run and not isinstance(run[name], str):
+    return run[name]
+  if name in run or ":" in name:
+    try:
+      return resolve_builder(name)
+    except ValueError as e:
+      raise ValueError(f"{table}: unknown algorithm {name!r}: {e}") from None
+  known = list(builders.BUILDERS) + [n for n in run if n not in builders.BUILDERS]
+  raise ValueError(f"{table}: unknown algorithm {name!r}{_closest(name, known)}; "
+                   f"known: {', '.join(known)} (or 'module:builder')")
+
+
+def check_algorithm_keys(config: ExperimentConfig,
+                         algorithms: Sequence[str | Builder]) -> None:
+  """Raises ValueError for a key of `config.hyperparameters` or `config.optimizers`
+  that names no algorithm, or for a keyword its algorithm does not take.
+
+  A key names a built-in algorithm (`pflax.algorithms.BUILDERS`, run or not:
+  presets configure several), a `"module:builder"`, or one of the `algorithms`
+  being run (a builder's `__name__`). An entry of `hyperparameters` holds keywords
+  of the builder's signature, one of `optimizers` the fields `OPTIMIZER_FIELDS`.
+
+  >>> check_algorithm_keys(ExperimentConfig(hyperparameters={"cwfedav": {}}),
+  ...                      ["cwfedavg"])
+  Traceback (most recent call last):
+  ValueError: hyperparameters: unknown algorithm 'cwfedav' (did you mean 'cwfedavg'?)...
+  """
+  run = {_algorithm_name(a): a for a in algorithms}
+  for table in ("hyperparameters", "optimizers"):
+    for name, entry in getattr(config, table).items():
+      builder = _named_builder(table, name, run)
+      if not isinstance(entry, Mapping):
+        raise ValueError(f"{table}[{name!r}] must be a mapping of keywords, got "
+                         f"{entry!r}.")
+      valid = OPTIMIZER_FIELDS if table == "optimizers" else _keywords(builder)
+      for key in (k for k in entry if valid is not None and k not in valid):
+        if key in OPTIMIZER_FIELDS:
+          raise ValueError(f"hyperparameters[{name!r}]: {key!r} is a field of the "
+                           f"clients' optimizer: set it in optimizers[{name!r}].")
+        what = "the optimizer" if table == "optimizers" else f"{name}'s builder"
+        raise ValueError(f"{table}[{name!r}]: unknown keyword {key!r}"
+                         f"{_closest(key, valid)}; {what} takes "
+                         f"{', '.join(valid) or 'no keywords'}.")
+
+
+def check_setups(config: ExperimentConfig, setups: Mapping[int, Setup]) -> None:
+  """Raises ValueError if the federation of a prepared setup does not hold
+  `config.clients` clients."""
+  for seed, setup in setups.items():
+    m = setup.federation.num_samples.shape[0]
+    if m != config.clients:
+      raise ValueError(f"setup: the federation of seed {seed} has {m} clients, "
+                       f"config.clients is {config.clients}.")
+
+
+def check_data(config: ExperimentConfig, labels: np.ndarray, num_classes: int) -> None:
+  """Raises ValueError naming the field of `config` that the dataset (`labels` in
+  `num_classes` classes) cannot partition.
+
+  Every partition needs `clients <= N` samples. "pathological" needs
+  `classes_per_client <= K` and, as each class is split among up to
+  `ceil(M c / K)` clients, at least that many samples in every class: at most
+  `floor(n_min K / c)` clients for the smallest class's `n_min` samples.
+  ("groups" checks its own quotas and names `num_clients`.)
+  """
+  if config.clients > len(labels):
+    raise ValueError(f"clients must be <= the dataset's {len(labels)} samples, got "
+                     f"{config.clients}.")
+  if config.partition != "pathological":
+    return
+  c = config.classes_per_client
+  if c > num_classes:
+    raise ValueError(f"classes_per_client must be <= the dataset's {num_classes} "
+                     f"classes, got {c}.")
+  sizes = np.bincount(labels, minlength=num_classes)
+  holders = -(-config.clients * c // num_classes)
+  if sizes.min() < holders:
+    raise ValueError(
+        f"clients: {config.clients} clients of {c} classes each share a class among "
+        f"up to {holders} clients, but class {int(np.argmin(sizes))} has "
+        f"{sizes.min()} samples; use at most {sizes.min() * num_classes // c} "
+        f"clients.")
+
+
+def check_partition(config: ExperimentConfig,
+                    federation: federation_lib.Federation) -> None:
+  """Raises ValueError if a client of `federation` has no training sample; warns
+  (UserWarning) if some have fewer training samples than `config.batch_size`
+  (each of their local epochs is one smaller step) or no test sample (their
+  accuracy is not measured).
+
+  The suggested numbers of clients are necessary bounds: one training sample
+  per client, one full batch per client.
+  """
+  train = np.asarray(federation.num_samples)
+  tests = np.asarray(federation.test_valid).sum(axis=1)
+  m, total, batch = len(train), int(train.sum() + tests.sum()), config.batch_size
+  empty = int(np.sum(train == 0))
+  if empty:
+    raise ValueError(f"clients: {m} clients on {total} samples leave {empty} of them "
+                     f"without a training sample; use at most {total} clients.")
+  small = int(np.sum(train < batch))
+  if small:
+    warnings.warn(
+        f"clients: {small} of {m} clients have fewer training samples than "
+        f"batch_size {batch} (the fewest: {train.min()}), so each of their local "
+        f"epochs is a single step; the {train.sum()} training samples fill one "
+        f"batch for at most {train.sum() // batch} clients.", UserWarning)
+  untested = int(np.sum(tests == 0))
+  if untested:
+    warnings.warn(
+        f"clients: {untested} of {m} clients have no test sample; their accuracy is "
+        "not measured (left out of the per-client mean and std).", UserWarning)
 
 
 def check_algorithm(algorithm: str | Builder, config: ExperimentConfig) -> None:
   """Raises ValueError if `algorithm`'s builder refuses its hyperparameters in `config`
-  (builds it once with a placeholder model; nothing is compiled)."""
+  (checks the keys of `config`'s tables with `check_algorithm_keys`, then builds it
+  once with a placeholder model; nothing is compiled)."""
+  check_algorithm_keys(config, [algorithm])
   builder, optimizer, keywords = _builder_arguments(algorithm, config)
   builder(models.MLP(2), client_optimizer(**optimizer), **keywords)
 
@@ -319,8 +653,10 @@ class _Grid:
 
   def __init__(self, algorithm: str | Builder, config: ExperimentConfig,
                seeds: Sequence[int], swept: str | None, values: Sequence[float],
-               setups: Mapping[int, Setup] | None, mesh: jax.sharding.Mesh | None):
+               setups: Mapping[int, Setup] | None, mesh: jax.sharding.Mesh | None,
+               new_setup: Callable[[int], Setup]):
     check_config(config)
+    check_algorithm_keys(config, [algorithm])
     builder = resolve_builder(algorithm) if isinstance(algorithm, str) else algorithm
     _check_grid(seeds, swept, values, builder)
     if (config.heterogeneous and isinstance(algorithm, str)
@@ -332,7 +668,8 @@ class _Grid:
     setups = dict(setups or {})
     for s in seeds:
       if s not in setups:
-        setups[s] = prepare(config, s)
+        setups[s] = new_setup(s)
+    check_setups(config, setups)
     self.runs = [(v, s) for v in (values or [None]) for s in seeds]
     fed = federation_lib.stack_federations([setups[s].federation for _, s in self.runs])
     self.tests = fed.test_valid.sum(axis=2)
@@ -432,7 +769,9 @@ def sweep(algorithm: str | Builder, config: ExperimentConfig, seeds: Sequence[in
           on_round: Callable[[int, list[records.RoundRecord]], None] | None = None,
           mesh: jax.sharding.Mesh | None = None,
           checkpoint_dir: str | None = None, checkpoint_every: int = 0,
-          resume: bool = False) -> list[records.RunRecord]:
+          resume: bool = False, dataset: Data | None = None,
+          model: nn.Module | None = None,
+          parts: parts_lib.Parts | None = None) -> list[records.RunRecord]:
   """Runs every (value, seed) pair of a grid as one sweep (see the module docstring).
 
   Args:
@@ -443,7 +782,8 @@ def sweep(algorithm: str | Builder, config: ExperimentConfig, seeds: Sequence[in
     hyperparameter: optionally one of `sweepable(builder)`: "lr" or a float
       keyword of the builder, checked by the builder for each value.
     values: the values of `hyperparameter` (the grid is values x seeds).
-    setups: prepared federations by seed (default: `prepare`).
+    setups: prepared federations by seed (default: `prepare` with `dataset`,
+      `model` and `parts`).
     on_round: called after every round with the round number and the records
       of that round, one per run.
     mesh: optionally a `jax.sharding.Mesh` whose first axis splits the clients
@@ -453,29 +793,56 @@ def sweep(algorithm: str | Builder, config: ExperimentConfig, seeds: Sequence[in
     checkpoint_dir, checkpoint_every, resume: save the sweep's state every
       `checkpoint_every` rounds into `checkpoint_dir`; with `resume`, continue
       from the checkpoint there.
+    dataset: your data: a `pflax.data.Dataset` (e.g. `pflax.data.from_arrays`),
+      partitioned by `config` for each seed, or a prepared
+      `pflax.data.Federation`; None: `config.dataset`.
+    model: your Flax model (None: `config.model`); `parts` declares its
+      output layer etc. where it cannot be found (`pflax.models.Parts`).
 
   Returns:
     One `RunRecord` per (value, seed), values outer. `seconds` is the sweep's
     round-loop time, shared by its runs.
+
+  Example:
+    >>> import numpy as np, flax.linen as nn
+    >>> from pflax import data, simulate
+    >>> rng = np.random.default_rng(0)
+    >>> ds = data.from_arrays(rng.normal(size=(200, 6)).astype(np.float32),
+    ...                       rng.integers(0, 3, 200))
+    >>> mlp = nn.Sequential([nn.Dense(16), nn.relu, nn.Dense(3)])
+    >>> config = simulate.ExperimentConfig(clients=4, rounds=2, local_epochs=1)
+    >>> runs = simulate.sweep("cwfedavg", config, [0, 1], dataset=ds, model=mlp)
+    >>> [r.seed for r in runs], len(runs[0].history)
+    ([0, 1], 2)
   """
+  if setups is not None and (dataset is not None or model is not None
+                             or parts is not None):
+    raise ValueError("give setups, or dataset/model/parts to prepare them, not both.")
   if mesh is not None and checkpoint_dir:
     raise ValueError("checkpoints are not supported on a mesh: checkpoint_dir=None.")
-  grid = _Grid(algorithm, config, seeds, hyperparameter, values, setups, mesh)
+  new_setup = functools.partial(prepare, config, dataset=dataset, model=model,
+                                parts=parts)
+  grid = _Grid(algorithm, config, seeds, hyperparameter, values, setups, mesh,
+               new_setup)
   name = _algorithm_name(algorithm)
   checkpoint = checkpoint_dir and checkpoint_lib.Checkpointer(
       os.path.join(checkpoint_dir, checkpoint_lib.file_name(name, grid.runs)),
       checkpoint_every, resume, template=grid.template,
       experiment={**dataclasses.asdict(config), "algorithm": name,
-                  "runs": [[v, s] for v, s in grid.runs]})
+                  "runs": [[v, s] for v, s in grid.runs]}, rounds=config.rounds)
   return _execute(grid, name, config, on_round, checkpoint or None)
 
 
 def run(algorithm: str | Builder, config: ExperimentConfig, seed: int, *,
-        setup: Setup | None = None,
+        dataset: Data | None = None, model: nn.Module | None = None,
+        parts: parts_lib.Parts | None = None, setup: Setup | None = None,
         on_round: Callable[[records.RoundRecord], None] | None = None,
         checkpoint_dir: str | None = None, checkpoint_every: int = 0,
         resume: bool = False) -> records.RunRecord:
   """Runs one algorithm for `config.rounds` rounds with one seed: a sweep of one.
+
+  `dataset`, `model` and `parts` are your data and model, as in `sweep`; or
+  `setup` a prepared one (`prepare`).
 
   Every random choice derives from `seed`: the partition, the initial model, and
   per round (via `fold_in(key, round)`) the participants, the local shuffles,
@@ -485,4 +852,5 @@ def run(algorithm: str | Builder, config: ExperimentConfig, seed: int, *,
   each = on_round and (lambda t, rounds: on_round(rounds[0]))
   return sweep(algorithm, config, [seed], setups=setup and {seed: setup},
                on_round=each, checkpoint_dir=checkpoint_dir,
-               checkpoint_every=checkpoint_every, resume=resume)[0]
+               checkpoint_every=checkpoint_every, resume=resume, dataset=dataset,
+               model=model, parts=parts)[0]

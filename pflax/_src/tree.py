@@ -10,6 +10,7 @@ jitted program, so an eager call costs one dispatch (not one per primitive);
 inside a caller's `jit`, `vmap` or `grad` the inner jit is inlined.
 """
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -313,24 +314,34 @@ def path_names(path: jax.tree_util.KeyPath) -> tuple[str, ...]:
   return tuple(names)
 
 
-def under(*names: str) -> Callable[[tuple[str, ...], Any], bool]:
+@dataclasses.dataclass(frozen=True)
+class Under:
+  """The selector of `under(*names)`: compares and hashes by its names, so a
+  configuration that holds one (e.g. `pflax.models.Parts`) compiles once."""
+  names: tuple[str, ...]
+
+  def __call__(self, path: tuple[str, ...], leaf: Any) -> bool:
+    del leaf
+    k = len(self.names)
+    return any(tuple(path[i:i + k]) == self.names for i in range(len(path) - k + 1))
+
+  def __repr__(self) -> str:
+    return f"pflax.tree.under{self.names!r}"
+
+
+def under(*names: str) -> Under:
   """Selector true for leaves whose path contains `names` as consecutive modules.
 
   Example:
     >>> params = {"features": {"w": 1.0}, "classifier": {"output": {"b": 2.0}}}
     >>> partition(params, under("classifier"))[0]
     {'classifier': {'output': {'b': 2.0}}, 'features': {'w': None}}
+    >>> under("Dense_2") == under("Dense_2")
+    True
   """
   if not names or not all(isinstance(n, str) for n in names):
     raise ValueError(f"under needs one or more module names, got {names!r}.")
-  k = len(names)
-
-  def select(path: tuple[str, ...], leaf: Any) -> bool:
-    del leaf
-    return any(tuple(path[i:i + k]) == names for i in range(len(path) - k + 1))
-
-  select.__name__ = f"under{names!r}"
-  return select
+  return Under(tuple(names))
 
 
 def selection(tree: Any, where: types.Selector | None) -> list[bool]:
@@ -347,7 +358,7 @@ def selection(tree: Any, where: types.Selector | None) -> list[bool]:
   return [bool(f) for f in flags]
 
 
-def _top_level_keys(tree: Any) -> str:
+def top_level_keys(tree: Any) -> str:
   """The tree's top-level keys, and the keys inside a single one (Flax's "params")."""
   paths = [path_names(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
   top = list(dict.fromkeys(p[0] for p in paths if p))
@@ -370,7 +381,7 @@ def required_selection(tree: Any, where: types.Selector | None,
   flags = selection(tree, where)
   if where is not None and not any(flags):
     raise ValueError(
-        f"{name} selects no leaf of the parameters ({_top_level_keys(tree)}). "
+        f"{name} selects no leaf of the parameters ({top_level_keys(tree)}). "
         "Selectors such as pflax.tree.under(...) match module names anywhere in "
         "a leaf's path.")
   return flags

@@ -10,12 +10,14 @@ import numpy as np
 import numpy.typing as npt
 
 
-def labels(labels: npt.ArrayLike, num_classes: int | None) -> tuple[np.ndarray, int]:
+def labels(labels: npt.ArrayLike, num_classes: int | None, *,
+           name: str = "labels") -> tuple[np.ndarray, int]:
   """Returns `(labels as int64, K)` after checking they are 1-D ints in [0, K).
 
   Args:
     labels: class label of every sample, shape `(N,)`.
     num_classes: `K`, or None to use `max(labels) + 1`.
+    name: argument name used in error messages.
 
   Returns:
     The labels as an int64 array and the number of classes `K`.
@@ -23,17 +25,22 @@ def labels(labels: npt.ArrayLike, num_classes: int | None) -> tuple[np.ndarray, 
   arr = np.asarray(labels)
   if arr.ndim != 1 or arr.size == 0:
     raise ValueError(
-        f"labels must be a non-empty 1-D array of shape (N,), got shape {arr.shape}.")
+        f"{name} must be a non-empty 1-D array of shape (N,), got shape {arr.shape}.")
   if not np.issubdtype(arr.dtype, np.integer):
-    raise ValueError(f"labels must have an integer dtype, got {arr.dtype}.")
+    raise ValueError(f"{name} must have an integer dtype, got {arr.dtype}.")
   if num_classes is None:
-    num_classes = int(arr.max()) + 1
+    num_classes = max(int(arr.max()) + 1, 1)
   positive_int(num_classes, "num_classes")
-  if arr.min() < 0 or arr.max() >= num_classes:
-    raise ValueError(
-        f"labels must lie in [0, num_classes) = [0, {num_classes}), got values in "
-        f"[{arr.min()}, {arr.max()}].")
+  label_range(arr, num_classes, name)
   return arr.astype(np.int64), int(num_classes)
+
+
+def label_range(labels: np.ndarray, num_classes: int, name: str) -> None:
+  """Raises unless the non-empty integer array `labels` lies in `[0, num_classes)`."""
+  if labels.min() < 0 or labels.max() >= num_classes:
+    raise ValueError(
+        f"{name} must lie in [0, num_classes) = [0, {num_classes}), got values in "
+        f"[{labels.min()}, {labels.max()}].")
 
 
 def positive_int(value: int, name: str) -> None:

@@ -14,6 +14,9 @@ def translate(key: chex.PRNGKey, x: chex.Array) -> chex.Array:
     >>> translate(jax.random.key(0), jnp.ones((2, 8, 8, 1))).shape
     (2, 8, 8, 1)
   """
+  if x.ndim != 4:
+    raise ValueError(f"translate augments images of shape (B, H, W, C), got inputs of "
+                     f"shape {x.shape} (FedClassAvg's two views are translations).")
   b, h, w, _ = x.shape
   pad = max(1, h // 8)
   padded = jnp.pad(x, ((0, 0), (pad, pad), (pad, pad), (0, 0)), mode="edge")

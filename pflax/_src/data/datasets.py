@@ -1,43 +1,38 @@
-"""Image classification datasets as NumPy arrays: bundled digits, or TFDS.
+"""Image classification datasets as NumPy arrays: digits, files, or TFDS.
 
 Nothing here downloads data unless asked (`download=True`). `load_digits` reads
 the copy bundled with scikit-learn; `load_tfds` reads a TensorFlow Datasets copy
 that was prepared beforehand and fails at once, with instructions, when there is
-none, or lets TFDS download and prepare it.
+none, or lets TFDS download and prepare it. `load` also reads `.npz` files and
+folders of IDX files, and finds MNIST and Fashion-MNIST as IDX files on disk.
 """
 
+import glob
 import importlib.util
 import os
-from typing import NamedTuple
 
 import numpy as np
 
+from pflax._src.data import arrays
+from pflax._src.data import files
+
 TFDS_NAMES = ("mnist", "fashion_mnist", "cifar10", "cifar100", "emnist/letters")
 NAMES = ("digits",) + TFDS_NAMES
+# Where Debian's package dataset-fashion-mnist installs the IDX files.
+DEBIAN_FASHION_MNIST = "/usr/share/datasets/fashion-mnist"
 
 _NUM_CLASSES = {"mnist": 10, "fashion_mnist": 10, "cifar10": 10, "cifar100": 100,
                 "emnist/letters": 26}
 _FIRST_LABEL = {"emnist/letters": 1}  # TFDS stores letters as labels 1..26.
 _SPLITS = ("train", "test")
+# The subfolders of data_dir searched for IDX files, besides data_dir itself.
+_IDX_SUBFOLDERS = {"fashion_mnist": ("fashion-mnist", "fashion_mnist"),
+                   "mnist": ("mnist",)}
+
+Dataset = arrays.Dataset  # Its home before `from_arrays`; kept for importers.
 
 
-class Dataset(NamedTuple):
-  """A labelled image dataset held in memory.
-
-  Attributes:
-    images: float32 array `(N, H, W, C)` scaled to `[0, 1]`.
-    labels: int32 array `(N,)` with values in `[0, num_classes)`.
-    num_classes: `K`.
-    name: the name it was loaded under.
-  """
-
-  images: np.ndarray
-  labels: np.ndarray
-  num_classes: int
-  name: str
-
-
-def load_digits() -> Dataset:
+def load_digits() -> arrays.Dataset:
   """Loads scikit-learn's bundled 8x8 handwritten digits (offline).
 
   Returns:
@@ -55,7 +50,7 @@ def load_digits() -> Dataset:
   table = np.loadtxt(_sklearn_data_file("digits.csv.gz"), delimiter=",",
                      dtype=np.float32)
   images = (table[:, :64] / 16.0).reshape(-1, 8, 8, 1)
-  return Dataset(images, table[:, 64].astype(np.int32), 10, "digits")
+  return arrays.Dataset(images, table[:, 64].astype(np.int32), 10, "digits")
 
 
 def _sklearn_data_file(name: str) -> str:
@@ -118,8 +113,8 @@ def _read_split(tfds, builder, split: str, random_access: bool
 
 
 def load_tfds(name: str, *, data_dir: str | None = None,
-              download: bool = False) -> Dataset:
-  """Loads a prepared TFDS dataset, train and test splits concatenated.
+              download: bool = False) -> arrays.Dataset:
+  """Loads a prepared TFDS dataset, its train and test splits.
 
   Images are scaled from `uint8` to `[0, 1]`; `emnist/letters` labels `1..26`
   become `0..25`. EMNIST images keep TFDS's orientation (transposed relative to
@@ -132,11 +127,12 @@ def load_tfds(name: str, *, data_dir: str | None = None,
     data_dir: the TFDS data directory; defaults to TFDS's own
       (`$TFDS_DATA_DIR` or `~/tensorflow_datasets`).
     download: let TFDS download and prepare a dataset that is not prepared yet
-      (in the array_record format, read without TensorFlow; preparing may need
+      (in the array_record format, read without TensorFlow; preparing needs
       TensorFlow).
 
   Returns:
-    A `Dataset` with the train split followed by the test split.
+    A `Dataset` with the train split as `images`/`labels` and the test split as
+    `test_images`/`test_labels` (`pooled` joins them).
 
   Raises:
     ImportError: tensorflow-datasets is not installed.
@@ -146,8 +142,8 @@ def load_tfds(name: str, *, data_dir: str | None = None,
 
   Example:
     >>> data = load_tfds("mnist", data_dir="/data/tfds")  # doctest: +SKIP
-    >>> data.images.shape, data.num_classes  # doctest: +SKIP
-    ((70000, 28, 28, 1), 10)
+    >>> data.images.shape, data.test_images.shape, data.num_classes  # doctest: +SKIP
+    ((60000, 28, 28, 1), (10000, 28, 28, 1), 10)
   """
   if name not in TFDS_NAMES:
     raise ValueError(f"name must be one of {TFDS_NAMES}, got {name!r}.")
@@ -159,31 +155,106 @@ def load_tfds(name: str, *, data_dir: str | None = None,
       raise FileNotFoundError(_not_prepared_message(name, builder))
     builder.download_and_prepare(file_format="array_record")
     builder = tfds.builder(name, data_dir=data_dir, try_gcs=False)
-  images, labels = zip(*(_read_split(tfds, builder, split, prepared_now)
-                         for split in _SPLITS))
-  images = np.concatenate(images).astype(np.float32) / 255.0
-  labels = np.concatenate(labels).astype(np.int32) - _FIRST_LABEL.get(name, 0)
-  return Dataset(images, labels, _NUM_CLASSES[name], name)
+  (images, labels), (test_images, test_labels) = (
+      _read_split(tfds, builder, split, prepared_now) for split in _SPLITS)
+  first = _FIRST_LABEL.get(name, 0)
+  return arrays.from_arrays(images, labels.astype(np.int64) - first,
+                            num_classes=_NUM_CLASSES[name], name=name,
+                            test_images=test_images,
+                            test_labels=test_labels.astype(np.int64) - first)
 
 
-def load(name: str, *, data_dir: str | None = None, download: bool = False) -> Dataset:
-  """Loads a dataset by name: `"digits"` (offline) or a TFDS name.
+def _tfds_prepared(name: str, data_dir: str | None) -> bool:
+  """Whether a prepared TFDS copy of `name` sits in `data_dir` (TFDS's default
+  when None), judged from its files without importing TFDS."""
+  root = data_dir or os.environ.get("TFDS_DATA_DIR") or "~/tensorflow_datasets"
+  pattern = os.path.join(os.path.expanduser(root), name, "[0-9]*", "dataset_info.json")
+  return bool(glob.glob(pattern))
+
+
+def _idx_folder(name: str, data_dir: str | None) -> str | None:
+  """The first folder holding IDX files for `name`: `data_dir`, its subfolders
+  named after the dataset, then (Fashion-MNIST) Debian's copy."""
+  folders = []
+  if data_dir:
+    folders += [data_dir] + [os.path.join(data_dir, s) for s in _IDX_SUBFOLDERS[name]]
+  if name == "fashion_mnist":
+    folders.append(DEBIAN_FASHION_MNIST)
+  return next((f for f in folders if files.find_idx(f) is not None), None)
+
+
+def _not_found_message(name: str, data_dir: str | None) -> str:
+  folders = ", ".join(["DIR"] + [f"DIR/{sub}" for sub in _IDX_SUBFOLDERS[name]])
+  lines = [f"{name} not found: no TFDS copy prepared in "
+           f"{data_dir or 'the TFDS data dir'} and no IDX files. Get it one of these "
+           "ways:",
+           "  pflax-run --download (load(..., download=True)) lets TFDS download it "
+           "(pip install 'pflax[tfds]');"]
+  if name == "fashion_mnist":
+    lines.append("  apt-get install dataset-fashion-mnist puts its IDX files in "
+                 f"{DEBIAN_FASHION_MNIST};")
+  lines.append("  --data-dir DIR (data_dir=DIR) with the IDX files train-images-idx3-"
+               f"ubyte.gz, train-labels-idx1-ubyte.gz, t10k-* in {folders}.")
+  return "\n".join(lines)
+
+
+def _load_mnist_like(name: str, data_dir: str | None, download: bool
+                     ) -> arrays.Dataset:
+  """MNIST or Fashion-MNIST from the first copy found: a prepared TFDS copy (when
+  TFDS is installed), IDX files, then a TFDS download if asked."""
+  prepared = _tfds_prepared(name, data_dir)
+  if prepared and importlib.util.find_spec("tensorflow_datasets") is not None:
+    return load_tfds(name, data_dir=data_dir)
+  folder = _idx_folder(name, data_dir)
+  if folder is not None:
+    return files.load_idx(folder)._replace(name=name)
+  if prepared or download:
+    return load_tfds(name, data_dir=data_dir, download=download)
+  raise FileNotFoundError(_not_found_message(name, data_dir))
+
+
+def load(name_or_path: str, *, data_dir: str | None = None,
+         download: bool = False) -> arrays.Dataset:
+  """Loads a dataset by name or from a file.
+
+  `"mnist"` and `"fashion_mnist"` come from the first copy found: a TFDS copy
+  prepared in `data_dir`; IDX files in `data_dir` or its subfolder `mnist/`
+  (`fashion-mnist/`, `fashion_mnist/`); for Fashion-MNIST, Debian's package
+  `dataset-fashion-mnist` (`DEBIAN_FASHION_MNIST`); else, if `download`, TFDS
+  downloads it. The other TFDS names are read with `load_tfds`.
 
   Args:
-    name: one of `"digits"`, `"mnist"`, `"fashion_mnist"`, `"cifar10"`,
-      `"cifar100"`, `"emnist/letters"`.
-    data_dir: TFDS data directory (unused for `"digits"`).
-    download: let TFDS download and prepare the dataset (`load_tfds`).
+    name_or_path: `"digits"` (offline), `"mnist"`, `"fashion_mnist"`,
+      `"cifar10"`, `"cifar100"`, `"emnist/letters"`, a folder of IDX files
+      (`load_idx`) or an `.npz` file (`load_npz`).
+    data_dir: TFDS data directory, also searched for IDX files (unused for
+      `"digits"` and paths).
+    download: let TFDS download and prepare the dataset when no copy is found.
 
   Returns:
-    The `Dataset`.
+    The `Dataset`; the dataset's own test split, if it has one, is in
+    `test_images`/`test_labels` (`pooled` joins the two).
+
+  Raises:
+    FileNotFoundError: MNIST or Fashion-MNIST found nowhere (the message says
+      how to get it), or a TFDS dataset not prepared.
+    ImportError: TFDS is needed and not installed.
+    ValueError: an unknown name, or a malformed file.
 
   Example:
     >>> load("digits").num_classes
     10
   """
-  if name == "digits":
+  if name_or_path == "digits":
     return load_digits()
-  if name in TFDS_NAMES:
-    return load_tfds(name, data_dir=data_dir, download=download)
-  raise ValueError(f"name must be one of {NAMES}, got {name!r}.")
+  if name_or_path in _IDX_SUBFOLDERS:
+    return _load_mnist_like(name_or_path, data_dir, download)
+  if name_or_path in TFDS_NAMES:
+    return load_tfds(name_or_path, data_dir=data_dir, download=download)
+  path = os.path.expanduser(name_or_path)
+  if os.path.isdir(path):
+    return files.load_idx(path)
+  if path.endswith(".npz"):
+    return files.load_npz(path)
+  raise ValueError(f"name_or_path must be one of {NAMES}, an .npz file or a folder of "
+                   f"IDX files, got {name_or_path!r}.")

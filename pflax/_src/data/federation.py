@@ -29,17 +29,41 @@ class Federation(NamedTuple):
   num_samples: np.ndarray
 
 
+def _test_split(test, sample_shape: tuple[int, ...]) -> tuple[np.ndarray, object]:
+  """Checks that `test` is a pair `(test_images, test_labels)` of images shaped
+  like the training images (the labels are checked by `deal_test_split`)."""
+  if not isinstance(test, (tuple, list)) or len(test) != 2:
+    raise ValueError("test must be a pair (test_images, test_labels), got "
+                     f"{type(test).__name__}.")
+  test_images = np.asarray(test[0])
+  if test_images.shape[1:] != sample_shape:
+    raise ValueError(
+        f"test_images must have shape (T,) + {sample_shape} (the per-sample shape of "
+        f"images), got {test_images.shape}.")
+  return test_images, test[1]
+
+
 def federate(images: np.ndarray, labels: np.ndarray,
              partition: partition_lib.Partition, *, seed: int,
-             batch_size: int = 1, test_fraction: float = 0.25) -> Federation:
-  """Splits each client's samples into training and test sets and stacks them.
+             batch_size: int = 1, test_fraction: float = 0.25,
+             test: tuple[np.ndarray, np.ndarray] | None = None) -> Federation:
+  """Gives each client its training and test sets and stacks them.
+
+  By default (`test=None`, the papers' protocol) each client's samples are split
+  into training and test sets, `test_fraction` of each class for test
+  (`train_test_split`). With `test=(test_images, test_labels)`, the dataset's own
+  test split, each client trains on its whole partition and is tested on test
+  samples dealt with its class mix (`deal_test_split`: class `j`'s test samples
+  shared, disjointly, in proportion to the clients' training counts `n_ij`).
 
   Args:
-    images, labels: the dataset.
+    images, labels: the dataset (its training split when `test` is given).
     partition: the clients' sample indices (e.g. `pflax.data.pathological`).
-    seed: seed of the per-client train/test split.
+    seed: seed of the per-client train/test split, or of the dealing.
     batch_size: training data are padded to a multiple of it.
-    test_fraction: each client's share of test samples (per class).
+    test_fraction: each client's share of test samples (per class); unused
+      with `test`.
+    test: `(test_images, test_labels)`, the dataset's own test split, or None.
 
   Example:
     >>> import numpy as np
@@ -49,12 +73,23 @@ def federate(images: np.ndarray, labels: np.ndarray,
     >>> fed = data.federate(np.zeros((40, 3), np.float32), labels, part, seed=0)
     >>> fed.counts.shape, int(fed.num_samples.sum() + fed.test_valid.sum())
     ((2, 4), 40)
+    >>> test = (np.ones((8, 3), np.float32), np.repeat(np.arange(4), 2))
+    >>> fed = data.federate(np.zeros((40, 3), np.float32), labels, part, seed=0,
+    ...                     test=test)
+    >>> fed.num_samples.tolist(), fed.test_valid.sum(axis=1).tolist()
+    ([20, 20], [4, 4])
   """
-  train, test = split_lib.train_test_split(partition, labels, seed=seed,
-                                           test_fraction=test_fraction)
+  if test is None:
+    train, dealt = split_lib.train_test_split(partition, labels, seed=seed,
+                                              test_fraction=test_fraction)
+    test_images, test_labels = images, labels
+  else:
+    test_images, test_labels = _test_split(test, np.shape(images)[1:])
+    train = partition
+    dealt = split_lib.deal_test_split(partition, test_labels, seed=seed)
   tr = clients_lib.stack_clients(images, labels, train.indices,
                                  pad_to_multiple=batch_size)
-  te = clients_lib.stack_clients(images, labels, test.indices)
+  te = clients_lib.stack_clients(test_images, test_labels, dealt.indices)
   return Federation(tr.x, tr.y, tr.mask, te.x, te.y, te.mask,
                     np.asarray(train.counts, np.int32), tr.num_samples)
 

@@ -1,0 +1,216 @@
+"""A misconfigured experiment is an error naming the setting (a warning where the
+setting is legitimate), before anything is compiled; in `pflax-run`, one line."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from pflax import data
+from pflax import simulate
+from pflax._src import cli
+from pflax._src import simulate as simulate_lib
+
+CONFIG = simulate.ExperimentConfig(clients=6, rounds=1, model="mlp", local_epochs=1)
+QUIET = ["--no-progress", "--no-compilation-cache"]
+
+
+def _one_line_exit(argv, match):
+  """The message of the `SystemExit` of `pflax-run argv`: one line matching."""
+  with pytest.raises(SystemExit, match="^pflax-run: " + match) as error:
+    cli.main(argv)
+  assert "\n" not in str(error.value)
+  return str(error.value)
+
+
+def _config_file(tmp_path, **config):
+  path = tmp_path / "results.json"
+  path.write_text(json.dumps({"config": {"clients": 6, "rounds": 1, **config}}))
+  return str(path)
+
+
+# 1. A key of hyperparameters / optimizers that names no algorithm.
+
+@pytest.mark.parametrize("table", ["hyperparameters", "optimizers"])
+def test_a_misspelt_algorithm_key_is_refused_before_any_work(table):
+  config = dataclasses.replace(CONFIG, **{table: {"cwfedav": {"lr": 0.1}}})
+  with pytest.raises(ValueError, match=rf"^{table}: unknown algorithm 'cwfedav' "
+                     r"\(did you mean 'cwfedavg'\?\); known: local, fedavg"):
+    simulate.sweep("cwfedavg", config, [0])
+
+
+def test_keys_of_built_in_algorithms_not_run_and_of_the_run_builder_are_accepted():
+  def my_builder(model, optimizer, *, strength=1.0):
+    return simulate_lib.resolve_builder("fedavg")(model, optimizer)
+  config = dataclasses.replace(CONFIG, hyperparameters={
+      "fedprox": {"mu": 0.1}, "my_builder": {"strength": 2.0}})
+  simulate_lib.check_algorithm(my_builder, config)
+  simulate_lib.check_algorithm_keys(config, ["fedavg", my_builder])
+  with pytest.raises(ValueError, match="unknown algorithm 'my_builder'"):
+    simulate_lib.check_algorithm_keys(config, ["fedavg"])
+  with pytest.raises(ValueError, match=r"hyperparameters\['my_builder'\]: unknown "
+                     r"keyword 'strenght' \(did you mean 'strength'\?\)"):
+    simulate_lib.check_algorithm(my_builder, dataclasses.replace(
+        config, hyperparameters={"my_builder": {"strenght": 2.0}}))
+
+
+def test_a_module_builder_key_must_import():
+  config = dataclasses.replace(CONFIG, hyperparameters={"no_such_module:build": {}})
+  with pytest.raises(ValueError, match="^hyperparameters: unknown algorithm "
+                     "'no_such_module:build': cannot import"):
+    simulate_lib.check_algorithm("fedavg", config)
+
+
+def test_cli_config_file_with_a_misspelt_algorithm_is_one_line(tmp_path):
+  path = _config_file(tmp_path, algorithms=["cwfedavg"],
+                      hyperparameters={"cwfedav": {"wdr_coef": 2.0}})
+  _one_line_exit(["--config", path, "--out", str(tmp_path / "out")],
+                 r"hyperparameters: unknown algorithm 'cwfedav' \(did you mean "
+                 r"'cwfedavg'\?\)")
+  assert not (tmp_path / "out").exists()
+
+
+# 1b. A keyword that the algorithm's builder (or the optimizer) does not take.
+
+@pytest.mark.parametrize("config,message", [
+    (dict(hyperparameters={"cwfedavg": {"wdr": 2.0}}),
+     r"hyperparameters\['cwfedavg'\]: unknown keyword 'wdr' \(did you mean "
+     r"'wdr_coef'\?\); cwfedavg's builder takes wdr_coef, "),
+    (dict(hyperparameters={"fedavg": {"mu": 0.1}}),
+     r"hyperparameters\['fedavg'\]: unknown keyword 'mu'; fedavg's builder takes no "
+     r"keywords\."),
+    (dict(hyperparameters={"fedavg": {"lr": 0.1}}),
+     r"hyperparameters\['fedavg'\]: 'lr' is a field of the clients' optimizer: set it "
+     r"in optimizers\['fedavg'\]\."),
+    (dict(optimizers={"fedavg": {"learning_rate": 0.1}}),
+     r"optimizers\['fedavg'\]: unknown keyword 'learning_rate'; the optimizer takes "
+     r"optimizer, lr, momentum, adam_b1, grad_clip\."),
+])
+def test_an_unknown_keyword_of_an_entry_is_refused(config, message):
+  with pytest.raises(ValueError, match="^" + message):
+    simulate.sweep("fedavg", dataclasses.replace(CONFIG, **config), [0])
+
+
+def test_cli_config_file_with_an_unknown_keyword_is_one_line(tmp_path):
+  path = _config_file(tmp_path, algorithms=["fedsa"],
+                      hyperparameters={"fedsa": {"cv_treshold": 0.3}})
+  _one_line_exit(["--config", path, "--out", str(tmp_path / "out")],
+                 r"hyperparameters\['fedsa'\]: unknown keyword 'cv_treshold' \(did "
+                 r"you mean 'cv_threshold'\?\)")
+
+
+# 2. A prepared setup whose federation does not have config.clients clients.
+
+def test_a_setup_of_another_client_count_is_refused_before_compiling(monkeypatch):
+  setup = simulate.prepare(dataclasses.replace(CONFIG, clients=10), 0)
+  monkeypatch.setattr(simulate_lib.engine, "programs", None)  # never reached
+  with pytest.raises(ValueError, match=r"^setup: the federation of seed 0 has 10 "
+                     r"clients, config.clients is 20\."):
+    simulate.run("fedavg", dataclasses.replace(CONFIG, clients=20), 0, setup=setup)
+
+
+# 3. Participation that rounds to another number of clients; clients vs data.
+
+def test_participation_that_rounds_away_warns():
+  config = dataclasses.replace(CONFIG, clients=20, participation=0.01)
+  with pytest.warns(UserWarning, match="^participation 0.01 of 20 clients is 0.2 "
+                    "clients; 1 client takes part each round$"):
+    simulate_lib.check_config(config)
+  assert simulate_lib.participation_warning(
+      dataclasses.replace(config, participation=0.3, clients=5)) == (
+          "participation 0.3 of 5 clients is 1.5 clients; 2 clients take part each "
+          "round")
+  for participation, clients in ((0.1, 20), (1.0, 7), (0.33, 20), (0.05, 20)):
+    assert simulate_lib.participation_warning(dataclasses.replace(
+        config, participation=participation, clients=clients)) is None
+
+
+def test_cli_participation_warning_is_one_line(tmp_path, capsys):
+  assert cli.main(["--participation", "0.01", "--print-config",
+                   "--out", str(tmp_path)]) == 0
+  err = capsys.readouterr().err.strip()
+  assert err == ("pflax-run: warning: --participation 0.01 of 20 clients is 0.2 "
+                 "clients; 1 client takes part each round")
+
+
+def test_more_clients_than_a_batch_of_data_each_warns():
+  config = dataclasses.replace(CONFIG, clients=500)
+  with pytest.warns(UserWarning) as caught:
+    setup = simulate.prepare(config, 0)
+  messages = [str(w.message) for w in caught]
+  assert messages[0].startswith(
+      "clients: 500 of 500 clients have fewer training samples than batch_size 10 "
+      "(the fewest: ")
+  assert "fill one batch for at most 100 clients" in messages[0]
+  untested = int(np.sum(setup.federation.test_valid.sum(axis=1) == 0))
+  assert untested > 0 and messages[1] == (
+      f"clients: {untested} of 500 clients have no test sample; their accuracy is not "
+      "measured (left out of the per-client mean and std).")
+
+
+def test_cli_shows_the_data_warnings_as_one_line_each(monkeypatch, tmp_path, capsys):
+  def interrupted(*args, **kwargs):
+    raise KeyboardInterrupt   # stop before training
+  monkeypatch.setattr(cli.simulate, "sweep", interrupted)
+  assert cli.main(["--clients", "500", "--algorithms", "fedavg", *QUIET,
+                   "--out", str(tmp_path)]) == 130
+  err = capsys.readouterr().err.splitlines()
+  assert err[0].startswith("pflax-run: warning: --clients: 500 of 500 clients have "
+                           "fewer training samples than batch_size 10")
+  assert err[1].startswith("pflax-run: warning: --clients: ")
+  assert "no test sample" in err[1] and err[2] == "pflax-run: interrupted"
+
+
+def test_more_clients_than_samples_is_an_error():
+  with pytest.raises(ValueError, match=r"^clients must be <= the dataset's 1797 "
+                     r"samples, got 2000\."):
+    simulate.prepare(dataclasses.replace(CONFIG, clients=2000), 0)
+
+
+def test_cli_more_clients_than_samples_is_one_line(tmp_path):
+  _one_line_exit(["--clients", "2000", "--partition", "dirichlet",
+                  "--out", str(tmp_path)],
+                 "--clients must be <= the dataset's 1797 samples, got 2000")
+
+
+def test_pathological_classes_too_small_to_share_names_the_largest_client_count():
+  message = (r"^clients: 871 clients of 2 classes each share a class among up to "
+             r"175 clients, but class 8 has 174 samples; use at most 870 clients\.")
+  with pytest.raises(ValueError, match=message):
+    simulate.prepare(dataclasses.replace(CONFIG, clients=871), 0)
+  with pytest.warns(UserWarning):
+    simulate.prepare(dataclasses.replace(CONFIG, clients=870), 0)
+
+
+def test_a_client_without_training_samples_is_an_error():
+  labels = np.repeat(np.arange(2), 4)
+  part = data.pathological(labels, 2, 1, num_classes=2, seed=0)
+  fed = data.federate(np.zeros((8, 3), np.float32), labels, part, seed=0)
+  empty = fed._replace(num_samples=np.array([fed.num_samples[0], 0]))
+  with pytest.raises(ValueError, match=r"^clients: 2 clients on \d+ samples leave 1 "
+                     r"of them without a training sample; use at most \d+ clients\."):
+    simulate_lib.check_partition(dataclasses.replace(CONFIG, clients=2), empty)
+
+
+def test_too_many_classes_per_client_is_an_error():
+  with pytest.raises(ValueError, match=r"^classes_per_client must be <= the "
+                     r"dataset's 10 classes, got 11\."):
+    simulate.prepare(dataclasses.replace(CONFIG, classes_per_client=11), 0)
+
+
+def test_cli_too_many_classes_per_client_is_one_line(tmp_path):
+  _one_line_exit(["--classes-per-client", "11", "--out", str(tmp_path / "out")],
+                 "--classes-per-client must be <= the dataset's 10 classes, got 11")
+
+
+# 4. Data that cannot be loaded: one message, no traceback.
+
+@pytest.mark.parametrize("error", [FileNotFoundError, ImportError, ValueError])
+def test_cli_data_errors_end_as_pflax_run_messages(monkeypatch, tmp_path, error):
+  def load(name, *, data_dir=None, download=False):
+    raise error(f"cannot load {name}:\n  see --download")
+  monkeypatch.setattr(cli.datasets, "load", load)
+  with pytest.raises(SystemExit) as exit_:
+    cli.main(["--dataset", "mnist", "--download", *QUIET, "--out", str(tmp_path)])
+  assert str(exit_.value) == "pflax-run: cannot load mnist:\n  see --download"
