@@ -63,14 +63,15 @@ def _parser() -> argparse.ArgumentParser:
   return p
 
 
-def _mean_std(values: list[float]) -> str:
+def mean_std(values: list[float]) -> str:
   """`mean ± std` in percent; std over seeds (ddof 0, as in `pflax-run`)."""
   return f"{100 * np.mean(values):.2f} ± {100 * np.std(values):.2f}"
 
 
-def _run_partition(partition: str, config: simulate.ExperimentConfig,
-                   names: list[str], seeds: list[int]) -> tuple[simulate.Results, float]:
-  """Every algorithm on one partition, its seeds as one sweep: results and seconds."""
+def run_sweeps(label: str, config: simulate.ExperimentConfig, names: list[str],
+               seeds: list[int]) -> tuple[simulate.Results, float]:
+  """Every algorithm on one configuration, its seeds as one sweep: results and
+  seconds (`label` names the configuration in the progress lines)."""
   started = time.perf_counter()
   setups = {seed: simulate.prepare(config, seed) for seed in seeds}
   runs = []
@@ -78,7 +79,7 @@ def _run_partition(partition: str, config: simulate.ExperimentConfig,
     for run in simulate.sweep(name, config, seeds, setups=setups):
       runs.append(dataclasses.replace(run, output_norms=np.zeros((0,))))
       acc = run.summary()
-      print(f"{partition:12s} {name:12s} seed {run.seed}: personalized best "
+      print(f"{label:12s} {name:12s} seed {run.seed}: personalized best "
             f"{acc.best:.4f} final {acc.final:.4f} ({run.seconds:.1f} s "
             "for the sweep)", flush=True)
   record = dataclasses.asdict(config)
@@ -91,9 +92,10 @@ def _rows(results: simulate.Results) -> list[str]:
   lines = []
   for name in dict.fromkeys(r.label for r in results.runs):
     runs = [r for r in results.runs if r.label == name]
-    cells = [_mean_std([getattr(r.summary(), k) for r in runs]) for k in ("best", "final")]
+    cells = [mean_std([getattr(r.summary(), k) for r in runs])
+             for k in ("best", "final")]
     for kind, keys in (("global", ("best", "final")), ("exclusive", ("final",))):
-      cells += [_mean_std([getattr(r.summary(kind), k) for r in runs])
+      cells += [mean_std([getattr(r.summary(kind), k) for r in runs])
                 if runs[0].summary(kind) else "—" for k in keys]
     lines.append(f"| {name} | " + " | ".join(cells) + " |")
   return lines
@@ -161,14 +163,20 @@ def markdown(all_results: dict[str, simulate.Results], seconds: float) -> str:
   return "\n".join(lines)
 
 
-def plot(all_results: dict[str, simulate.Results], path: str) -> None:
-  """Mean personalized accuracy per round and algorithm, ± one std band."""
+def plot(all_results: dict[str, simulate.Results], path: str,
+         titles: dict[str, str], columns: int = 2) -> None:
+  """Mean personalized accuracy per round and algorithm, ± one std band: one panel
+  per results, titled `titles[key]`, `columns` panels a row."""
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  fig, axes = plt.subplots(1, len(all_results), figsize=(6 * len(all_results), 4.2),
+  cols = min(columns, len(all_results))
+  rows = -(-len(all_results) // cols)
+  fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4.2 * rows),
                            squeeze=False, sharey=True)
-  for ax, (partition, results) in zip(axes.flat, all_results.items()):
+  for ax in axes.flat[len(all_results):]:
+    ax.set_visible(False)
+  for ax, (key, results) in zip(axes.flat, all_results.items()):
     for name in dict.fromkeys(r.label for r in results.runs):
       runs = [r for r in results.runs if r.label == name]
       rounds = runs[0].curve()[0]
@@ -177,11 +185,12 @@ def plot(all_results: dict[str, simulate.Results], path: str) -> None:
       color = simulate.algorithm_color(runs[0].algorithm)
       ax.plot(rounds, mean, label=name, color=color)
       ax.fill_between(rounds, mean - std, mean + std, alpha=0.15, color=color)
-    ax.set_title(f"digits, {PARTITIONS[partition]}", fontsize=10)
+    ax.set_title(titles[key], fontsize=10)
     ax.set_xlabel("round")
     ax.grid(alpha=0.3)
-  axes.flat[0].set_ylabel("personalized accuracy (%)")
-  axes.flat[0].legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="lower right")
+  for ax in axes[:, 0]:
+    ax.set_ylabel("personalized accuracy (%)")
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
@@ -206,15 +215,16 @@ def main(argv: list[str] | None = None) -> int:
     config = simulate.ExperimentConfig(partition=partition, clients=20,
                                        classes_per_client=2, dirichlet_alpha=0.1,
                                        rounds=rounds)
-    all_results[partition], spent = _run_partition(partition, config, args.algorithms,
-                                                   seeds)
+    all_results[partition], spent = run_sweeps(partition, config, args.algorithms,
+                                               seeds)
     seconds += spent
     with open(path, "w") as f:
       json.dump({**all_results[partition].to_json(), "seconds": spent}, f, indent=1)
   text = markdown(all_results, seconds)
   with open(os.path.join(out, "reproduction.md"), "w") as f:
     f.write(text)
-  plot(all_results, os.path.join(out, "reproduction.png"))
+  plot(all_results, os.path.join(out, "reproduction.png"),
+       {k: f"digits, {PARTITIONS[k]}" for k in all_results})
   print(text)
   return 0
 

@@ -15,10 +15,17 @@ from pflax._src.fedrema import probe_logits
 from pflax._src.fedrema import relevance
 from pflax._src.fedrema import soft_logits
 from pflax._src.fedsa import fedsa
+from pflax._src.robust import capped_weights
+from pflax._src.robust import clip_updates
+from pflax._src.robust import log2_update_norms
+from pflax._src.robust import median
+from pflax._src.robust import trimmed_mean
 
 __all__ = (
     "FedReMaState",
+    "capped_weights",
     "class_models",
+    "clip_updates",
     "cw_fedavg",
     "estimate_class_dist",
     "fedavg",
@@ -27,9 +34,12 @@ __all__ = (
     "fedrema",
     "fedrema_init",
     "fedsa",
+    "log2_update_norms",
     "mds",
+    "median",
     "personalize",
     "probe_logits",
     "relevance",
     "soft_logits",
+    "trimmed_mean",
 )

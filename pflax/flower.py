@@ -13,7 +13,8 @@ on the stacked uploads of the round; `client_app()` trains it on a node;
   process, with no SuperLink (tests, notebooks, debugging).
 
 For a federation across machines: `write_app` and `write_run_config` make
-what `flwr run` submits to your SuperLink; start each SuperNode with
+what `flwr run` submits to your SuperLink, `write_certificates` and
+`write_node_key` its TLS certificates and SuperNode keys; start each SuperNode with
 `--node-config 'partition-id=I'`, and give `client_app` your own data function
 for clients that hold their own data (README, "A real federation with Flower").
 """
@@ -34,6 +35,8 @@ from pflax._src.flower import unpack
 from pflax._src.flower_deploy import LocalFederation
 from pflax._src.flower_deploy import write_app
 from pflax._src.flower_deploy import write_run_config
+from pflax._src.flower_keys import write_certificates
+from pflax._src.flower_keys import write_node_key
 from pflax._src.protocol import ClientData
 
 clientapp = client_app()

@@ -621,3 +621,70 @@ def fedsa_cv_margin(w, cv_threshold=0.2, ddof=1) -> float:
   return float(np.min(np.abs(cv - cv_threshold)) / max(cv_threshold, 1e-12))
 
 
+
+
+# ------------------------------------ robust options (docs/methods.md#robust-options)
+
+
+def update_norms_ref(params, reference) -> np.ndarray:
+  """`||w_i - r||` over the whole tree, in Python floats (no overflow at 1e30)."""
+  flat = [np.asarray(x, np.float64).reshape(np.shape(x)[0], -1)
+          - np.asarray(r, np.float64).reshape(1, -1)
+          for x, r in zip(jax.tree.leaves(params), jax.tree.leaves(reference))]
+  return np.array([np.sqrt(sum(float(v) ** 2 for d in flat for v in d[i]))
+                   for i in range(flat[0].shape[0])])
+
+
+def median_ref(params, mask=None):
+  """Coordinate-wise median of the unmasked clients (`np.median`: mean of the two
+  middle values for an even count)."""
+  def one(x):
+    x = np.asarray(x, np.float64)
+    keep = np.ones(x.shape[0], bool) if mask is None else np.asarray(mask)
+    return np.median(x[keep], axis=0)
+  return map_leaves(one, params)
+
+
+def trimmed_mean_ref(params, trim_fraction, mask=None):
+  """Per coordinate: sort the k unmasked values, drop floor(beta k) at each end,
+  average the rest (a loop over coordinates)."""
+  def one(x):
+    x = np.asarray(x, np.float64)
+    keep = np.ones(x.shape[0], bool) if mask is None else np.asarray(mask)
+    rows = x[keep].reshape(int(keep.sum()), -1)
+    k = rows.shape[0]
+    t = int(np.floor(trim_fraction * k))
+    out = [np.mean(sorted(rows[:, j])[t:k - t]) for j in range(rows.shape[1])]
+    return np.array(out).reshape(x.shape[1:])
+  return map_leaves(one, params)
+
+
+def capped_weights_ref(num_samples, max_share, mask=None) -> np.ndarray:
+  """`p_i = min(s, c n_i)` with `sum p = 1`, by bisection on c (uniform over the
+  positive clients when `s < 1 / their number`)."""
+  n = np.asarray(num_samples, np.float64).copy()
+  if mask is not None:
+    n[~np.asarray(mask)] = 0.0
+  active = n > 0
+  if not active.any():
+    return np.zeros_like(n)
+  s = max(max_share, 1.0 / active.sum())
+  lo, hi = 0.0, 1.0 / n[active].min()
+  for _ in range(200):
+    c = 0.5 * (lo + hi)
+    if np.minimum(s, c * n).sum() < 1.0:
+      lo = c
+    else:
+      hi = c
+  return np.minimum(s, hi * n)
+
+
+def clip_updates_ref(params, reference, max_norm) -> dict:
+  """`r + min(1, c / ||w_i - r||) (w_i - r)` per client."""
+  norms = update_norms_ref(params, reference)
+  factor = np.minimum(1.0, max_norm / np.maximum(norms, 1e-300))
+  return jax.tree.map(
+      lambda x, r: np.asarray(r, np.float64)[None] + factor.reshape(
+          (-1,) + (1,) * (np.ndim(x) - 1)) * (np.asarray(x, np.float64)
+                                             - np.asarray(r, np.float64)[None]),
+      params, reference)

@@ -126,6 +126,17 @@ CASES = [
     Case("fedsa",
          lambda p, s, mask: (agg.fedsa(p, num_mac=2, mask=mask), None),
          lambda rng, m, p: {}, personal=False, make_params=_fedsa_params),
+    Case("median",
+         lambda p, s, mask: (agg.median(p, mask=mask), None),
+         lambda rng, m, p: {}, personal=False),
+    Case("trimmed_mean",
+         lambda p, s, mask: (agg.trimmed_mean(p, trim_fraction=0.25, mask=mask), None),
+         lambda rng, m, p: {}, personal=False),
+    Case("fedavg_capped",
+         lambda p, s, mask: (agg.fedavg(p, agg.capped_weights(s["n"], 0.3, mask=mask),
+                                        mask=mask), None),
+         lambda rng, m, p: {"n": rng.integers(1, 9, m).astype(np.float32)},
+         personal=False),
 ]
 CASE_PARAMS = [pytest.param(c, id=c.name) for c in CASES]
 

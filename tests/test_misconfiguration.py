@@ -78,8 +78,8 @@ def test_cli_config_file_with_a_misspelt_algorithm_is_one_line(tmp_path):
      r"hyperparameters\['cwfedavg'\]: unknown keyword 'wdr' \(did you mean "
      r"'wdr_coef'\?\); cwfedavg's builder takes wdr_coef, "),
     (dict(hyperparameters={"fedavg": {"mu": 0.1}}),
-     r"hyperparameters\['fedavg'\]: unknown keyword 'mu'; fedavg's builder takes no "
-     r"keywords\."),
+     r"hyperparameters\['fedavg'\]: unknown keyword 'mu'; fedavg's builder takes "
+     r"robust, trim_fraction, max_share, clip_norm\."),
     (dict(hyperparameters={"fedavg": {"lr": 0.1}}),
      r"hyperparameters\['fedavg'\]: 'lr' is a field of the clients' optimizer: set it "
      r"in optimizers\['fedavg'\]\."),

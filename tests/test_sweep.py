@@ -147,7 +147,7 @@ def test_each_swept_value_meets_the_builders_range(name, field, value, match):
 def test_any_float_keyword_of_a_builder_is_sweepable():
   from pflax import algorithms  # pylint: disable=import-outside-toplevel
   assert simulate.sweepable(algorithms.class_wise_averaging) == ("lr", "wdr_coef")
-  assert simulate.sweepable(algorithms.federated_averaging) == ("lr",)
+  assert simulate.sweepable(algorithms.federated_averaging) == ("lr", "trim_fraction")
   assert set(simulate.sweepable(algorithms.classifier_averaging)) == {
       "lr", "rho", "supcon_temperature", "supcon_base_temperature"}
 

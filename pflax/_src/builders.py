@@ -24,6 +24,7 @@ from pflax._src import fedrema as rema_lib
 from pflax._src import fedsa as fedsa_lib
 from pflax._src import losses
 from pflax._src import parts as parts_lib
+from pflax._src import robust as robust_lib
 from pflax._src import tree as tree_lib
 from pflax._src import types
 from pflax._src import weights as weights_lib
@@ -77,10 +78,14 @@ def _broadcast_global(state: GlobalModel) -> types.Stacked:
 
 def _global_algorithm(optimizer: optax.GradientTransformation, loss: Callable,
                       aggregate: Callable[..., types.Tree],
-                      client_context: Callable = alg.no_context) -> alg.Algorithm:
-  """Every client trains the global model; the server aggregates the uploads."""
+                      client_context: Callable = alg.no_context,
+                      clip_norm: float | None = None) -> alg.Algorithm:
+  """Every client trains the global model; the server aggregates the uploads
+  (each update first clipped to norm `clip_norm`, if given)."""
   def server_update(state, trained, mask, key):
     del key
+    if clip_norm:
+      trained = robust_lib.clip_updates(trained, state.model, clip_norm, mask=mask)
     return state._replace(model=aggregate(trained, state.num_samples, mask=mask))
 
   def evaluate(state):
@@ -94,9 +99,28 @@ def _global_algorithm(optimizer: optax.GradientTransformation, loss: Callable,
       server_update=server_update, evaluate=evaluate, client_context=client_context)
 
 
-def federated_averaging(model: nn.Module, optimizer: optax.GradientTransformation
-                        ) -> alg.Algorithm:
+def _check_robust(clip_norm: float | None) -> None:
+  if clip_norm is not None:
+    alg.check_range("clip_norm", clip_norm, 0.0, open_low=True)
+
+
+def federated_averaging(model: nn.Module, optimizer: optax.GradientTransformation, *,
+                        robust: str = "none", trim_fraction: float = 0.1,
+                        max_share: float | None = None,
+                        clip_norm: float | None = None) -> alg.Algorithm:
   """FedAvg (McMahan et al. 2017): the sample-weighted mean of the trained models.
+
+  Args:
+    model: the clients' Flax model.
+    optimizer: the clients' optimizer.
+    robust: "none" (the sample-weighted mean), "median" or "trimmed_mean"
+      (coordinate-wise, unweighted: `pflax.aggregate.median`, `trimmed_mean`);
+      docs/methods.md#robust-options.
+    trim_fraction: the trimmed mean's fraction cut at each end, in [0, 0.5).
+    max_share: a bound on any client's share of the weights, in (0, 1]
+      (`pflax.aggregate.capped_weights`; with robust "none" only).
+    clip_norm: each update `w_i - w` clipped to this norm before aggregating
+      (`pflax.aggregate.clip_updates`).
 
   Example:
     >>> import optax
@@ -107,12 +131,17 @@ def federated_averaging(model: nn.Module, optimizer: optax.GradientTransformatio
     >>> fedavg.client_models(state)["w"].shape, sorted(fedavg.evaluate(state))
     ((2, 3), ['global', 'personalized'])
   """
-  return _global_algorithm(optimizer, alg.cross_entropy_loss(model),
-                           fedavg_lib.fedavg)
+  _check_robust(clip_norm)
+  return _global_algorithm(
+      optimizer, alg.cross_entropy_loss(model),
+      robust_lib.global_aggregator(robust, trim_fraction, max_share),
+      clip_norm=clip_norm)
 
 
 def federated_proximal(model: nn.Module, optimizer: optax.GradientTransformation, *,
-                       mu: float = 0.001) -> alg.Algorithm:
+                       mu: float = 0.001, robust: str = "none",
+                       trim_fraction: float = 0.1, max_share: float | None = None,
+                       clip_norm: float | None = None) -> alg.Algorithm:
   """FedProx (Li et al. 2020): FedAvg with `mu/2 ||w - w_global||^2` in local training.
 
   Args:
@@ -120,20 +149,31 @@ def federated_proximal(model: nn.Module, optimizer: optax.GradientTransformation
     optimizer: the clients' optimizer.
     mu: weight of the proximal term (>= 0), 0.001 as run in the cwFedAvg
       paper's Table 5.
+    robust: "none" (the sample-weighted mean), "median" or "trimmed_mean"
+      (coordinate-wise, unweighted: `pflax.aggregate.median`, `trimmed_mean`);
+      docs/methods.md#robust-options.
+    trim_fraction: the trimmed mean's fraction cut at each end, in [0, 0.5).
+    max_share: a bound on any client's share of the weights, in (0, 1]
+      (`pflax.aggregate.capped_weights`; with robust "none" only).
+    clip_norm: each update `w_i - w` clipped to this norm before aggregating
+      (`pflax.aggregate.clip_updates`).
   """
   alg.check_range("mu", mu, 0.0)
+  _check_robust(clip_norm)
   ce = alg.cross_entropy_loss(model)
 
   def loss(params, anchor, batch, key):
     return ce(params, None, batch, key) + mu * losses.proximal(params, anchor)
 
-  return _global_algorithm(optimizer, loss, fedavg_lib.fedavg,
-                           client_context=_broadcast_global)
+  return _global_algorithm(optimizer, loss,
+                           robust_lib.global_aggregator(robust, trim_fraction, max_share),
+                           client_context=_broadcast_global, clip_norm=clip_norm)
 
 
 def parameter_skew_averaging(model: nn.Module, optimizer: optax.GradientTransformation,
                              *, cv_threshold: float = 0.2, sim_threshold: float = 0.2,
-                             num_mic: int = 4, num_mac: int = 4) -> alg.Algorithm:
+                             num_mic: int = 4, num_mac: int = 4,
+                             clip_norm: float | None = None) -> alg.Algorithm:
   """FedSA: FedAvg's client training, parameter-skew-aware aggregation.
 
   Args:
@@ -145,13 +185,17 @@ def parameter_skew_averaging(model: nn.Module, optimizer: optax.GradientTransfor
       (in [-1, 1]).
     num_mic: Micro-Classes per parameter (>= 2).
     num_mac: Macro-Classes of clients (>= 1).
+    clip_norm: each update `w_i - w` clipped to this norm before aggregating
+      (`pflax.aggregate.clip_updates`; docs/methods.md#robust-options).
   """
   alg.check_range("cv_threshold", cv_threshold, 0.0)
+  _check_robust(clip_norm)
   alg.check_range("sim_threshold", sim_threshold, -1.0, 1.0)
   aggregate = functools.partial(fedsa_lib.fedsa, cv_threshold=cv_threshold,
                                 sim_threshold=sim_threshold, num_mic=num_mic,
                                 num_mac=num_mac)
-  return _global_algorithm(optimizer, alg.cross_entropy_loss(model), aggregate)
+  return _global_algorithm(optimizer, alg.cross_entropy_loss(model), aggregate,
+                           clip_norm=clip_norm)
 
 
 class ClassModels(NamedTuple):

@@ -1,15 +1,18 @@
 """`pflax-run`: run algorithms on a federated dataset, write results and plots."""
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.util
 import inspect
 import json
 import os
+import signal
 import sys
+import threading
 import typing
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -38,7 +41,14 @@ FIELD_HELP = {
                   "dataset: partition the train split and test each client on the "
                   "dataset's own test split, dealt with its class mix",
     "faulty_clients": "each round this fraction of the participants, drawn from the "
-                      "run's key, uploads non-finite parameters; the server drops them",
+                      "run's key, is faulty (see --fault-kind)",
+    "fault_kind": "what faulty clients do: nan uploads NaN, scaled multiplies its "
+                  "update by --fault-scale, inflated_counts declares its class "
+                  "counts times --fault-scale (--faulty-clients of all clients)",
+    "fault_scale": "the factor of scaled (default 1e30) and inflated_counts "
+                   "(default 10)",
+    "outlier_factor": "drop a participant whose update norm exceeds this many times "
+                      "the round's median (0: never)",
     "eval_every": "evaluate every N rounds (and after the last)",
     "model": "auto: the CNN for images of 16+ pixels, the MLP for digits",
     "heterogeneous": "clients use four architectures sharing the output layer "
@@ -50,6 +60,7 @@ FIELD_HELP = {
                  "and v each on its own)",
 }
 FIELD_CHOICES = {"partition": simulate.PARTITIONS, "test_split": simulate.TEST_SPLITS,
+                 "fault_kind": ("nan", "scaled", "inflated_counts"),
                  "model": ("auto", "cnn", "mlp"),
                  "strategy": ("auto", "vmap", "loop", "map"),
                  "optimizer": ("sgd", "adam")}
@@ -137,6 +148,11 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--flower-timeout", type=float, default=600.0,
                  help="seconds the Flower server waits for a round's replies; a "
                       "client that has not replied by then is dropped")
+  p.add_argument("--flower-insecure", action="store_true",
+                 help="run the Flower federation without TLS and SuperNode "
+                      "authentication (a warning): any process on this machine "
+                      "that knows the port could then use it. By default each "
+                      "federation has its own certificates and node keys")
   p.add_argument("--sequential", action="store_true",
                  help="run seeds one after another instead of as one sweep")
   p.add_argument("--out", default="runs/latest", help="output directory")
@@ -218,10 +234,12 @@ def _typed(key: str, text: str, default: Any) -> Any:
 
 def _settable(name: str) -> dict[str, Any]:
   """`{key: default}` of what `--set` may set for one algorithm: its builder's
-  keywords with plain defaults, and its optimizer's fields."""
+  keywords with plain defaults or `float | None = None` (`max_share`), and its
+  optimizer's fields."""
   params = inspect.signature(simulate.resolve_builder(name)).parameters.values()
   keys = {p.name: p.default for p in params if p.kind == p.KEYWORD_ONLY
-          and isinstance(p.default, (bool, int, float, str))}
+          and (isinstance(p.default, (bool, int, float, str))
+               or (p.default is None and "float" in str(p.annotation)))}
   defaults = simulate.ExperimentConfig()
   keys.update({f: getattr(defaults, f) for f in simulate.OPTIMIZER_FIELDS})
   return keys
@@ -459,29 +477,61 @@ def _federation_env(args: argparse.Namespace) -> dict[str, str]:
 def _federate(config: simulate.ExperimentConfig, args: argparse.Namespace
               ) -> tuple[list[records.RunRecord], dict[str, Any]]:
   """Every algorithm and seed as a Flower federation (`--flower`): the runs, and
-  results.json's `config["flower"]` (engine, Flower's version, bytes per round)."""
+  results.json's `config["flower"]` (engine, Flower's version, bytes per round).
+
+  The federation's logs are written to `--out/flower-logs` and each run's
+  results to `--out/flower-runs/run-N` as it goes, so that a failed or stopped
+  run keeps them; SIGTERM stops the federation as SIGINT does.
+  """
   import flwr  # pylint: disable=import-outside-toplevel
   from pflax._src import flower  # pylint: disable=import-outside-toplevel
   from pflax._src import flower_deploy  # pylint: disable=import-outside-toplevel
   runs, traffic = [], {}
-  with flower_deploy.LocalFederation(config.clients, env=_federation_env(args),
-                                     simulation=args.flower == "simulation"
-                                     ) as federation:
-    for name in args.algorithms:
-      for seed in args.seeds:
-        bar = _progress(config.rounds, f"{name} seed {seed} (flower)",
-                        not args.no_progress)
-        results = federation.run(
-            flower.Experiment(name, config, seed),
-            os.path.join(federation.workdir, f"run-{len(runs)}"),
-            timeout=args.flower_timeout, on_round=lambda n: bar.update(n - bar.n))
-        bar.close()
-        run, = results.runs
-        _report(run)
-        runs.append(run)
-        traffic[f"{name} seed {seed}"] = results.config["flower"]["bytes_per_round"]
+  logs = os.path.abspath(os.path.join(args.out, "flower-logs"))
+  kept = (f"the Flower logs are in {logs}, the results so far in "
+          f"{os.path.abspath(os.path.join(args.out, 'flower-runs'))}")
+  try:
+    with _sigterm_as_interrupt(), flower_deploy.LocalFederation(
+        config.clients, env=_federation_env(args),
+        simulation=args.flower == "simulation", insecure=args.flower_insecure,
+        log_dir=logs) as federation:
+      for name in args.algorithms:
+        for seed in args.seeds:
+          bar = _progress(config.rounds, f"{name} seed {seed} (flower)",
+                          not args.no_progress)
+          results = federation.run(
+              flower.Experiment(name, config, seed),
+              os.path.join(args.out, "flower-runs", f"run-{len(runs)}"),
+              timeout=args.flower_timeout, on_round=lambda n: bar.update(n - bar.n))
+          bar.close()
+          run, = results.runs
+          _report(run)
+          runs.append(run)
+          traffic[f"{name} seed {seed}"] = results.config["flower"]["bytes_per_round"]
+  except RuntimeError as e:
+    raise _fail(f"{e}\n{kept}") from None
+  except KeyboardInterrupt:
+    print(f"pflax-run: stopped; {kept}", file=sys.stderr)
+    raise
   return runs, {"engine": args.flower, "version": flwr.__version__,
                 "bytes_per_round": traffic}
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+  """SIGTERM (`kill`, `timeout`, Slurm) raises KeyboardInterrupt, as SIGINT does,
+  so that what was started is stopped (in the main thread only)."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  def interrupt(signum, frame):
+    del signum, frame
+    raise KeyboardInterrupt
+  previous = signal.signal(signal.SIGTERM, interrupt)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGTERM, previous)
 
 
 def _report(run: records.RunRecord) -> None:

@@ -7,10 +7,13 @@ seed and a federation. One round of one run is pure:
    the round's keys (`round_keys`);
 2. each architecture group's participants train from their client models
    (`pflax.train`), each client with the key `fold_in(fold_in(train_key, g), i)`;
-3. the uploads of faulty clients become NaN; clients that did not take part or
-   uploaded non-finite values are given back their starting model and previous
-   optimizer state (`drop_unhealthy`); the server step aggregates; a round
-   without any healthy client keeps the state (`keep_if_nobody`).
+3. the faulty clients' uploads are corrupted (`fault_kind`: NaN, or their
+   updates scaled; or their class counts were inflated at init); clients that
+   did not take part, uploaded non-finite values or an update norm far above
+   the round's median (`healthy_clients`) are given back their starting model
+   and previous optimizer state (`drop_unhealthy`); the server step
+   aggregates; a round without any healthy client keeps the state
+   (`keep_if_nobody`).
 
 Several runs (seeds, values of a swept hyperparameter) are that round mapped
 over a leading run axis: with the client mapping "vmap" or "map" a round of all
@@ -37,6 +40,7 @@ from pflax._src import mapping
 from pflax._src import models as models_lib
 from pflax._src import parts as parts_lib
 from pflax._src import prng
+from pflax._src import robust as robust_lib
 from pflax._src import train as train_lib
 from pflax._src import tree as tree_lib
 from pflax._src import types
@@ -45,6 +49,19 @@ from pflax._src.data import federation as federation_lib
 
 FAULT_STREAM = 0xFA17
 """`fold_in(participants_key, FAULT_STREAM)` draws a round's faulty clients."""
+
+OUTLIER_FACTOR = 1000.0
+"""Default `outlier_factor`: an update norm above 1000x the round's median is dropped."""
+
+MIN_OUTLIER_CLIENTS = 3
+"""The outlier test needs this many finite participants with a non-zero update."""
+
+FAULT_KINDS = ("nan", "scaled", "inflated_counts")
+"""`fault_kind`s: NaN uploads, updates times `fault_scale`, class counts times
+`fault_scale` (a lie at registration)."""
+
+DEFAULT_FAULT_SCALES = {"nan": 1.0, "scaled": 1e30, "inflated_counts": 10.0}
+"""`fault_scale` of each kind when None."""
 
 
 def run_keys(seed: int | chex.Array) -> chex.Array:
@@ -100,6 +117,74 @@ def upload_faults(trained: Any, faulty: chex.Array) -> Any:
   return jax.tree.map(corrupt, trained)
 
 
+def scale_updates(start: Any, trained: Any, faulty: chex.Array, scale: float) -> Any:
+  """The uploads with the faulty clients' updates multiplied by `scale`:
+  `start + scale (trained - start)`, computed in float32."""
+  def corrupt(s, x):
+    bad = (s.astype(jnp.float32)
+           + scale * (x.astype(jnp.float32) - s.astype(jnp.float32))).astype(x.dtype)
+    return jnp.where(faulty.reshape((-1,) + (1,) * (x.ndim - 1)), bad, x)
+  return jax.tree.map(corrupt, start, trained)
+
+
+def lying_clients(seed: chex.Array, num_real: int, padded: int,
+                  fraction: float) -> chex.Array:
+  """Bool `(padded,)`: the `round(fraction * M)` clients whose class counts are
+  inflated for the whole run (`fault_kind` "inflated_counts"), drawn as
+  `faulty_clients` from the run's init key."""
+  real = jnp.arange(padded) < num_real
+  key = jax.random.fold_in(run_keys(seed)[0], FAULT_STREAM)
+  return faulty_clients(key, real, num_faulty(fraction, num_real))
+
+
+def declared_counts(plan: "Plan", class_counts: chex.Array,
+                    seed: chex.Array) -> chex.Array:
+  """The `(M, K)` class counts the server is told: the lying clients' rows times
+  `plan.scale` for `fault_kind` "inflated_counts", else `class_counts`."""
+  if plan.fault_kind != "inflated_counts":
+    return class_counts
+  liars = lying_clients(seed, plan.num_clients, class_counts.shape[0],
+                        plan.fault_fraction)
+  return jnp.where(liars[:, None], class_counts * plan.scale, class_counts)
+
+
+def update_outliers(log2_norms: chex.Array, candidates: chex.Array,
+                    outlier_factor: float | None) -> chex.Array:
+  """Bool `(M,)`: candidates whose update norm exceeds `outlier_factor` x the median.
+
+  The median is over the candidates with a finite, non-zero norm, taken in
+  log2 (for an even number, the geometric mean of the two middle norms).
+  Fewer than `MIN_OUTLIER_CLIENTS` such candidates (nobody to outvote a liar),
+  or an `outlier_factor` of None or 0, mark nobody.
+
+  Args:
+    log2_norms: `(M,)` `log2 ||upload_i - start_i||` (`pflax.aggregate.log2_update_norms`).
+    candidates: bool `(M,)`, the finite participants.
+    outlier_factor: the factor, > 1, or None.
+  """
+  if not outlier_factor:
+    return jnp.zeros_like(candidates)
+  ok = candidates & jnp.isfinite(log2_norms)
+  k = jnp.sum(ok)
+  ordered = jnp.sort(jnp.where(ok, log2_norms, jnp.inf))
+  last = ordered.shape[0] - 1
+  mid = 0.5 * (ordered[jnp.clip((k - 1) // 2, 0, last)]
+               + ordered[jnp.clip(k // 2, 0, last)])
+  return ok & (k >= MIN_OUTLIER_CLIENTS) & (log2_norms > mid + jnp.log2(outlier_factor))
+
+
+def healthy_clients(took_part: chex.Array, finite: chex.Array, log2_norms: chex.Array,
+                    outlier_factor: float | None = OUTLIER_FACTOR) -> chex.Array:
+  """Bool `(M,)`: the participants whose upload the server aggregates.
+
+  A participant is unhealthy when its upload is not finite or its update norm
+  is an outlier of the round (`update_outliers`); the engine and a Flower
+  server (`pflax._src.protocol.server_step`) both apply this rule.
+  """
+  ok = took_part & finite
+  return ok & ~update_outliers(log2_norms, ok, outlier_factor)
+
+
 def drop_unhealthy(start: Any, trained: Any, opt_before: Any, opt_after: Any,
                    healthy: chex.Array) -> tuple[Any, Any]:
   """`(trained, opt_state)` with the clients outside `healthy` treated as absent.
@@ -133,7 +218,11 @@ class Plan:
       hyperparameter's value (ignored when nothing is swept).
     num_clients: M, the real clients (the federation may be padded beyond).
     participation: fraction of clients per round.
-    fault_fraction: fraction of each round's participants that upload NaN.
+    fault_fraction: fraction of each round's participants that are faulty (of
+      all clients, for "inflated_counts").
+    fault_kind, fault_scale: what faulty clients do (`FAULT_KINDS`), and the
+      factor of "scaled" and "inflated_counts" (None: `DEFAULT_FAULT_SCALES`).
+    outlier_factor: the health rule's factor (`update_outliers`); None disables.
     local_epochs, batch_size: local training.
     strategy: the client mapping, resolved (`pflax.train.STRATEGIES`).
     output: selector of the models' output layer (`pflax.models.Parts`), whose
@@ -147,6 +236,15 @@ class Plan:
   batch_size: int
   strategy: str
   output: types.Selector = parts_lib.PFLAX_OUTPUT
+  fault_kind: str = "nan"
+  fault_scale: float | None = None
+  outlier_factor: float | None = OUTLIER_FACTOR
+
+  @property
+  def scale(self) -> float:
+    """The fault kind's factor."""
+    return (DEFAULT_FAULT_SCALES[self.fault_kind] if self.fault_scale is None
+            else self.fault_scale)
 
 
 class RoundMetrics(NamedTuple):
@@ -245,8 +343,13 @@ def _round_inputs(plan: Plan, groups: groups_lib.Groups, carry: Any,
                         plan.participation)
   took_part = jnp.zeros(m, bool).at[chosen].set(True)
   count = num_faulty(plan.fault_fraction, chosen.shape[0])
-  faulty = (faulty_clients(jax.random.fold_in(sample_key, FAULT_STREAM), took_part,
-                           count) if count else jnp.zeros_like(took_part))
+  if plan.fault_kind == "inflated_counts":
+    faulty = took_part & lying_clients(seed, plan.num_clients, m, plan.fault_fraction)
+  elif count:
+    faulty = faulty_clients(jax.random.fold_in(sample_key, FAULT_STREAM), took_part,
+                            count)
+  else:
+    faulty = jnp.zeros_like(took_part)
   everyone = chosen.shape[0] == plan.num_clients
   group_chosen = tuple(_group_chosen(took_part, index, chosen.shape[0], everyone)
                        for index in groups.clients)
@@ -281,22 +384,42 @@ def _trained(groups: groups_lib.Groups, carry: Any, inputs: _Inputs,
   return starts, tuple(trained), tuple(opts), _to_clients(tuple(losses), groups, m)
 
 
+def _health(groups: groups_lib.Groups, took_part: chex.Array,
+            starts: tuple[Any, ...], uploads: tuple[Any, ...],
+            outlier_factor: float | None) -> chex.Array:
+  """`healthy_clients` of all groups' uploads, `(M,)` in client order."""
+  m = took_part.shape[0]
+  finite = _to_clients(tuple(tree_lib.finite_clients(u) for u in uploads), groups, m)
+  if not outlier_factor:
+    return took_part & finite
+  norms = _to_clients(tuple(robust_lib.log2_update_norms(u, s)
+                            for s, u in zip(starts, uploads)), groups, m)
+  return healthy_clients(took_part, finite, norms, outlier_factor)
+
+
 def _round_outputs(groups: groups_lib.Groups, carry: Any, inputs: _Inputs,
-                   results: tuple[train_lib.ClientResult, ...]
+                   results: tuple[train_lib.ClientResult, ...], *,
+                   outlier_factor: float | None = OUTLIER_FACTOR,
+                   fault_kind: str = "nan", fault_scale: float = 1.0
                    ) -> tuple[Any, RoundMetrics]:
   """The server step of one run after local training: new carry and metrics."""
   state, opt_before = carry
   starts, trained, opt_after, losses = _trained(groups, carry, inputs, results)
-  healthy, kept, opts, masks = [], [], [], []
+  if fault_kind == "nan":
+    trained = tuple(upload_faults(u, inputs.faulty[index])
+                    for index, u in zip(groups.clients, trained))
+  elif fault_kind == "scaled":
+    trained = tuple(scale_updates(s, u, inputs.faulty[index], fault_scale)
+                    for index, s, u in zip(groups.clients, starts, trained))
+  healthy = _health(groups, inputs.took_part, starts, trained, outlier_factor)
+  kept, opts, masks = [], [], []
   for index, start, upload, before, after in zip(groups.clients, starts, trained,
                                                  opt_before, opt_after):
-    upload = upload_faults(upload, inputs.faulty[index])
-    mask = inputs.took_part[index] & tree_lib.finite_clients(upload)
+    mask = healthy[index]
     upload, opt = drop_unhealthy(start, upload, before, after, mask)
     kept.append(upload)
     opts.append(opt)
     masks.append(mask)
-  healthy = _to_clients(tuple(masks), groups, inputs.took_part.shape[0])
   losses = jnp.where(inputs.took_part, losses, 0.0)
   new = groups.server_update(state, tuple(kept), tuple(masks), inputs.server_key)
   state = keep_if_nobody(healthy, new, state)
@@ -321,11 +444,14 @@ def _warmup_inputs(groups: groups_lib.Groups, carry: Any,
 
 
 def _warmup_outputs(groups: groups_lib.Groups, carry: Any, inputs: _Inputs,
-                    results: tuple[train_lib.ClientResult, ...]) -> Any:
-  """The algorithm's warm-up update on the finite uploads; optimizer states kept."""
+                    results: tuple[train_lib.ClientResult, ...], *,
+                    outlier_factor: float | None = OUTLIER_FACTOR) -> Any:
+  """The algorithm's warm-up update on the healthy uploads (`healthy_clients`);
+  optimizer states kept."""
   state, opt_states = carry
   starts, trained, _, _ = _trained(groups, carry, inputs, results)
-  masks = tuple(tree_lib.finite_clients(t) for t in trained)
+  healthy = _health(groups, inputs.took_part, starts, trained, outlier_factor)
+  masks = tuple(healthy[index] for index in groups.clients)
   trained = tuple(weights_lib.keep_masked(t, s, m)
                   for t, s, m in zip(trained, starts, masks))
   return groups.warmup[1](state, trained, masks), opt_states
@@ -480,9 +606,13 @@ def build_programs(plan: Plan) -> Programs:
   """`programs(plan)`, built without the cache."""
   groups = plan.build(None)
   num_groups = len(groups.members)
-  starting = jax.jit(jax.vmap(lambda value, feds, counts, seed: _initial_carry(
-      plan.build(value), feds, counts, seed)))
-  warm = (_phase(plan, groups.warmup[0], num_groups, _warmup_inputs, _warmup_outputs)
+  def initial(value, feds, counts, seed):
+    return _initial_carry(plan.build(value), feds, declared_counts(plan, counts, seed),
+                          seed)
+
+  starting = jax.jit(jax.vmap(initial))
+  warm = (_phase(plan, groups.warmup[0], num_groups, _warmup_inputs,
+                 functools.partial(_warmup_outputs, outlier_factor=plan.outlier_factor))
           if groups.warmup else None)
 
   def init(values, feds, class_counts, seeds):
@@ -490,7 +620,9 @@ def build_programs(plan: Plan) -> Programs:
     return carry if warm is None else warm(values, carry, feds, seeds)
 
   round_ = _phase(plan, plan.local_epochs, num_groups,
-                  functools.partial(_round_inputs, plan), _round_outputs)
+                  functools.partial(_round_inputs, plan),
+                  functools.partial(_round_outputs, outlier_factor=plan.outlier_factor,
+                                    fault_kind=plan.fault_kind, fault_scale=plan.scale))
   return Programs(initial=starting, init=init, round=round_,
                   evaluate=jax.jit(jax.vmap(_evaluator(plan, groups))))
 

@@ -484,7 +484,9 @@ class PflaxStrategy(flwr_strategy.Strategy):
                 for i in range(m) if self.nodes[i] in set(grid.get_node_ids())]
     uploads, _, _ = self._uploads(grid.send_and_receive(messages, timeout=timeout),
                                   range(m))
-    self._state = protocol.warmup_step(self._algorithm, self._state, uploads)
+    self._state = protocol.warmup_step(
+        self._algorithm, self._state, uploads,
+        outlier_factor=self.experiment.config.outlier_factor)
 
   # Flower's Strategy.
 
@@ -526,8 +528,9 @@ class PflaxStrategy(flwr_strategy.Strategy):
   def aggregate_train(self, server_round: int, replies: Iterable["flwr_app.Message"]
                       ) -> tuple[None, "flwr_app.MetricRecord"]:
     uploads, losses, received = self._uploads(replies, self._tasks.clients)
-    self._state, healthy = protocol.server_step(self._algorithm, self._state,
-                                                self._tasks, uploads)
+    self._state, healthy = protocol.server_step(
+        self._algorithm, self._state, self._tasks, uploads,
+        outlier_factor=self.experiment.config.outlier_factor)
     took_part = np.zeros(self.num_clients, bool)
     took_part[self._tasks.clients] = True
     kept = [losses[i] for i in np.flatnonzero(healthy)]

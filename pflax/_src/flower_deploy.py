@@ -7,8 +7,21 @@ process listening on the loopback address only, with a Flower home of its own
 (never the user's `~/.flwr`). With `simulation=True` it starts a SuperLink
 with Flower's simulation engine instead (the clients are Ray actors of that
 SuperLink; no SuperNode processes). `run` submits an experiment with
-`flwr run` and returns its `results.json`. Every process is stopped on exit.
-Flower's telemetry and update check are off in every process.
+`flwr run` and returns its `results.json`.
+
+Secure by default: the SuperLink speaks TLS only, with a certificate of a
+certificate authority made for this federation, and admits only SuperNodes whose
+keys pflax generated and registered (`--enable-supernode-auth`). Certificates,
+keys and the Flower home lie in a private (0700) directory, so another user's
+process that knows the port can neither use the SuperLink's APIs (`flwr ls`,
+`run`, `stop`: it cannot verify the server) nor join as a node.
+
+No orphans: every process is started in a process group of its own, killed
+(SIGKILL) by the kernel if the Python process that started it dies
+(`PR_SET_PDEATHSIG` on Linux), and stopped on exit; a watchdog process kills
+what Flower started from them (marked by an environment variable) when this
+process dies however it dies (`flower_guard`). Flower's telemetry and update
+check are off in every process.
 """
 
 import contextlib
@@ -21,11 +34,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from pflax._src import records
 from pflax._src import flower
+from pflax._src import flower_guard
+from pflax._src import flower_keys
 
 LOOPBACK = "127.0.0.1"
 CONNECTION = "pflax-local"
@@ -99,13 +115,18 @@ def _wait_for_port(port: int, process: subprocess.Popen, log: str,
   deadline = time.monotonic() + timeout
   while time.monotonic() < deadline:
     if process.poll() is not None:
-      raise RuntimeError(f"{process.args[0]} exited ({process.returncode}): "
+      raise RuntimeError(f"{_name(process)} exited ({process.returncode}): "
                          f"{_tail(log)}")
     with contextlib.suppress(OSError), socket.create_connection((LOOPBACK, port), 0.5):
       return
     time.sleep(0.2)
-  raise RuntimeError(f"{process.args[0]} did not listen on {LOOPBACK}:{port} within "
+  raise RuntimeError(f"{_name(process)} did not listen on {LOOPBACK}:{port} within "
                      f"{timeout} s: {_tail(log)}")
+
+
+def _name(process: subprocess.Popen) -> str:
+  """The command that `_popen` started."""
+  return os.path.basename(process.args[4])
 
 
 def _tail(path: str, lines: int = 15) -> str:
@@ -117,9 +138,35 @@ def _tail(path: str, lines: int = 15) -> str:
 
 
 def _executable(name: str) -> str:
-  """A Flower command of this Python's environment."""
+  """A Flower command of this Python's environment (beside `sys.executable`,
+  whether or not that directory is on PATH), else of PATH."""
   here = os.path.join(os.path.dirname(sys.executable), name)
-  return here if os.path.exists(here) else (shutil.which(name) or name)
+  return here if os.access(here, os.X_OK) else (shutil.which(name) or name)
+
+
+def _popen(args: list[str], log: str, env: Mapping[str, str]) -> subprocess.Popen:
+  """Starts `args` in a process group of its own that the kernel kills if this
+  process dies (`flower_guard.py exec`), its output appended to the file `log`."""
+  with open(log, "a", encoding="utf-8") as f:
+    return subprocess.Popen([sys.executable, "-I", flower_guard.__file__, "exec",
+                             str(os.getpid()), *args],
+                            stdout=f, stderr=subprocess.STDOUT, env=env,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def _stop(processes: list[subprocess.Popen], grace: float = 10.0) -> None:
+  """Stops the process groups of `processes`: SIGTERM, then SIGKILL after `grace`
+  seconds, and SIGKILL to what is left of each group."""
+  for p in processes:
+    with contextlib.suppress(ProcessLookupError):
+      os.killpg(p.pid, signal.SIGTERM)
+  deadline = time.monotonic() + grace
+  for p in processes:
+    with contextlib.suppress(subprocess.TimeoutExpired):
+      p.wait(max(deadline - time.monotonic(), 0.0))
+    with contextlib.suppress(ProcessLookupError):
+      os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
 
 
 class LocalFederation:
@@ -127,48 +174,106 @@ class LocalFederation:
 
   Args:
     num_nodes: SuperNodes, node i with `partition-id=i` (one per client).
-    workdir: a directory for the Flower home, the app, the logs (default: a
-      temporary one, removed on exit).
+    workdir: a directory for the Flower home, the credentials, the app
+      (default: a temporary one, removed on exit).
     env: extra environment variables of every process (e.g. JAX's cache).
     simulation: Flower's simulation engine instead of SuperNode processes.
     cpus_per_client: with `simulation`, CPUs Ray reserves per client app (so
       how many clients train at once).
+    insecure: no TLS and no SuperNode authentication (a warning): any process
+      on this machine that knows the port can use the SuperLink.
+    log_dir: where the processes' logs are written and kept (default:
+      `workdir`).
   """
 
   def __init__(self, num_nodes: int, workdir: str | None = None,
                env: Mapping[str, str] | None = None, simulation: bool = False,
-               cpus_per_client: int = 1):
+               cpus_per_client: int = 1, insecure: bool = False,
+               log_dir: str | None = None):
     if num_nodes < 1:
       raise ValueError(f"num_nodes must be >= 1, got {num_nodes}.")
     if cpus_per_client < 1:
       raise ValueError(f"cpus_per_client must be >= 1, got {cpus_per_client}.")
+    if insecure:
+      warnings.warn("LocalFederation(insecure=True): the SuperLink runs without TLS "
+                    "or SuperNode authentication; any process on this machine that "
+                    "knows its port can list, submit and stop runs and join as a "
+                    "node.", stacklevel=2)
     self.num_nodes = num_nodes
     self.simulation = simulation
     self.cpus_per_client = cpus_per_client
+    self.insecure = insecure
     self._own_workdir = workdir is None
+    self._token = os.urandom(16).hex()
     self.workdir = workdir or tempfile.mkdtemp(prefix="pflax-flower-")
+    self.log_dir = log_dir or self.workdir
+    bin_dir = os.path.dirname(sys.executable)
     self.env = {**os.environ, **QUIET, **(env or {}),
-                "FLWR_HOME": os.path.join(self.workdir, "flwr-home")}
+                "FLWR_HOME": os.path.join(self.workdir, "flwr-home"),
+                flower_guard.VARIABLE: self._token,
+                # Flower starts `flower-superexec` from PATH.
+                "PATH": os.pathsep.join(p for p in (bin_dir, os.environ.get("PATH"))
+                                        if p)}
     self.superlink: subprocess.Popen | None = None
     self.supernodes: list[subprocess.Popen] = []
     self.port = 0
+    self._runs = 0
+    self._watchdog: subprocess.Popen | None = None
 
   def _log(self, name: str) -> str:
-    return os.path.join(self.workdir, f"{name}.log")
+    return os.path.join(self.log_dir, f"{name}.log")
 
-  def _start(self, name: str, args: list[str]) -> subprocess.Popen:
-    with open(self._log(name), "w", encoding="utf-8") as log:
-      return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                              start_new_session=True)
+  def _start(self, name: str, args: list[str], log: str | None = None
+             ) -> subprocess.Popen:
+    """Starts `args`, logging to `name`.log (a new one) or to `log`; the first
+    call starts the watchdog that kills the federation if this process dies."""
+    if log is None:
+      log = self._log(name)
+      with contextlib.suppress(FileNotFoundError):
+        os.remove(log)
+    if self._watchdog is None:  # kills what is left if this process dies
+      self._watchdog = subprocess.Popen(
+          [sys.executable, "-I", flower_guard.__file__, "watch", self._token],
+          stdin=subprocess.PIPE, text=True, start_new_session=True)
+    return _popen(args, log, self.env)
 
-  def _write_files(self) -> None:
-    home = self.env["FLWR_HOME"]
-    os.makedirs(home, exist_ok=True)
-    with open(os.path.join(home, "config.toml"), "w", encoding="utf-8") as f:
+  @property
+  def home(self) -> str:
+    """The Flower home of every process (private: mode 0700)."""
+    return self.env["FLWR_HOME"]
+
+  @property
+  def app_dir(self) -> str:
+    return os.path.join(self.workdir, "app")
+
+  def _write_files(self) -> flower_keys.Certificates | None:
+    """The Flower home's `config.toml`, the app, and (unless insecure) the
+    SuperLink's certificates."""
+    flower_keys.private_directory(self.home)
+    os.makedirs(self.log_dir, exist_ok=True)
+    certificates = (None if self.insecure else flower_keys.write_certificates(
+        os.path.join(self.home, "tls")))
+    tls = ("insecure = true" if certificates is None
+           else f"root-certificates = {json.dumps(certificates.ca)}")
+    with open(os.path.join(self.home, "config.toml"), "w", encoding="utf-8") as f:
       f.write(f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
-              f'address = "{LOOPBACK}:{self.port}"\ninsecure = true\n')
-
+              f'address = "{LOOPBACK}:{self.port}"\n{tls}\n')
     write_app(self.app_dir)
+    return certificates
+
+  def _register(self, keys: list[flower_keys.NodeKey]) -> None:
+    """Registers the SuperNodes' public keys with the SuperLink."""
+    log = self._log("register")
+    registering = [self._start("", [_executable("flwr"), "supernode", "register",
+                                    k.public, CONNECTION], log) for k in keys]
+    try:
+      failed = [p.wait(120) for p in registering]
+    except subprocess.TimeoutExpired:
+      failed = [1]
+    finally:
+      _stop(registering, 0.0)
+    if any(failed):
+      raise RuntimeError(f"registering the SuperNodes' keys failed: {_tail(log)}")
 
   def _federation_config(self) -> list[str]:
     """`flwr run`'s simulation options (none for a deployment)."""
@@ -178,31 +283,42 @@ class LocalFederation:
             f"client-resources-num-cpus={self.cpus_per_client} "
             "client-resources-num-gpus=0.0"]
 
-  @property
-  def app_dir(self) -> str:
-    return os.path.join(self.workdir, "app")
-
   def __enter__(self) -> "LocalFederation":
     try:
       self.port = free_port()
-      self._write_files()
+      certificates = self._write_files()
+      tls = ["--insecure"] if certificates is None else [
+          "--ssl-ca-certfile", certificates.ca, "--ssl-certfile", certificates.cert,
+          "--ssl-keyfile", certificates.key]
+      auth = [] if self.simulation or self.insecure else ["--enable-supernode-auth"]
       self.superlink = self._start("superlink", [
-          _executable("flower-superlink"), "--insecure", "--host", LOOPBACK, "--port",
-          str(self.port), "--disable-runtime-dependency-installation",
+          _executable("flower-superlink"), *tls, *auth, "--host", LOOPBACK,
+          "--port", str(self.port), "--disable-runtime-dependency-installation",
           *(["--simulation"] if self.simulation else [])])
       _wait_for_port(self.port, self.superlink, self._log("superlink"), 60.0)
-      for i in range(0 if self.simulation else self.num_nodes):
-        port = free_port()
-        node = self._start(f"supernode-{i}", [
-            _executable("flower-supernode"), "--insecure", "--superlink",
-            f"{LOOPBACK}:{self.port}", "--host", LOOPBACK, "--port", str(port),
-            "--node-config", f"partition-id={i} num-partitions={self.num_nodes}"])
-        self.supernodes.append(node)
-        _wait_for_port(port, node, self._log(f"supernode-{i}"), 60.0)
+      if not self.simulation:
+        self._start_nodes(certificates)
     except BaseException:
       self.close()
       raise
     return self
+
+  def _start_nodes(self, certificates: flower_keys.Certificates | None) -> None:
+    keys = [flower_keys.write_node_key(os.path.join(self.home, "keys"), f"node-{i}")
+            for i in range(self.num_nodes)]
+    if certificates is not None:
+      self._register(keys)
+    for i, key in enumerate(keys):
+      port = free_port()
+      tls = ["--insecure"] if certificates is None else [
+          "--root-certificates", certificates.ca,
+          "--auth-supernode-private-key", key.private]
+      node = self._start(f"supernode-{i}", [
+          _executable("flower-supernode"), *tls, "--superlink",
+          f"{LOOPBACK}:{self.port}", "--host", LOOPBACK, "--port", str(port),
+          "--node-config", f"partition-id={i} num-partitions={self.num_nodes}"])
+      self.supernodes.append(node)
+      _wait_for_port(port, node, self._log(f"supernode-{i}"), 60.0)
 
   def __exit__(self, *exc: Any) -> None:
     self.close()
@@ -213,19 +329,17 @@ class LocalFederation:
       os.killpg(self.supernodes[i].pid, signal.SIGKILL)
 
   def close(self) -> None:
-    """Stops every process (SIGTERM, then SIGKILL) and removes a temporary workdir."""
-    processes = [p for p in [*self.supernodes, self.superlink] if p is not None]
-    for p in processes:
-      with contextlib.suppress(ProcessLookupError):
-        os.killpg(p.pid, signal.SIGTERM)
-    for p in processes:
-      try:
-        p.wait(10)
-      except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-          os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
+    """Stops every process (SIGTERM, then SIGKILL) and removes a temporary
+    workdir (the logs stay in `log_dir` when it is another directory)."""
+    _stop([p for p in [*self.supernodes, self.superlink] if p is not None])
     self.supernodes, self.superlink = [], None
+    flower_guard.sweep(self._token)  # what Flower started outside the groups
+    if self._watchdog is not None:
+      with contextlib.suppress(OSError):
+        self._watchdog.stdin.write("done\n")
+        self._watchdog.stdin.close()
+      self._watchdog.wait()
+      self._watchdog = None
     if self._own_workdir:
       shutil.rmtree(self.workdir, ignore_errors=True)
 
@@ -241,8 +355,8 @@ class LocalFederation:
       on_round: called with the number of rounds done whenever it grows.
 
     Raises:
-      RuntimeError: the run did not finish all its rounds (with the end of the
-        server's log).
+      RuntimeError: the run did not finish all its rounds (naming its results
+        so far and the logs, with the end of the run's log).
     """
     if experiment.config.clients != self.num_nodes:
       raise ValueError(f"the experiment has clients={experiment.config.clients}, the "
@@ -254,22 +368,20 @@ class LocalFederation:
       os.remove(path)
     run_config = write_run_config(os.path.join(self.workdir, "run.toml"), experiment,
                                   out, timeout)
-    log = self._log(f"run-{experiment.algorithm.replace(':', '-')}")
-    with open(log, "w", encoding="utf-8") as f:
-      submit = subprocess.Popen(
-          [_executable("flwr"), "run", self.app_dir, CONNECTION, "--stream",
-           "--run-config", run_config, *self._federation_config()], stdout=f, stderr=subprocess.STDOUT,
-          env=self.env, start_new_session=True)
-      try:
-        _follow(submit, path, on_round)
-      finally:
-        with contextlib.suppress(ProcessLookupError):
-          os.killpg(submit.pid, signal.SIGTERM)
-        submit.wait()
+    self._runs += 1
+    log = self._log(f"run-{self._runs}-{experiment.algorithm.replace(':', '-')}")
+    submit = self._start("", [_executable("flwr"), "run", self.app_dir, CONNECTION,
+                                "--stream", "--run-config", run_config,
+                                *self._federation_config()], log)
+    try:
+      _follow(submit, path, on_round)
+    finally:
+      _stop([submit])
     results = _rounds_done(path)[1]
     if results is None or len(results.runs[0].history) < experiment.config.rounds:
-      raise RuntimeError(f"the Flower run of {experiment.algorithm} did not finish; "
-                         f"the end of its log ({log}):\n{_tail(log, 25)}")
+      raise RuntimeError(f"the Flower run of {experiment.algorithm} did not finish "
+                         f"(its results so far: {path}; the federation's logs: "
+                         f"{self.log_dir}); the end of {log}:\n{_tail(log, 25)}")
     return results
 
 

@@ -25,6 +25,7 @@ from pflax._src import algorithm as alg
 from pflax._src import engine
 from pflax._src import models
 from pflax._src import prng
+from pflax._src import robust as robust_lib
 from pflax._src import train as train_lib
 from pflax._src import tree as tree_lib
 from pflax._src import types
@@ -167,43 +168,54 @@ def with_uploads(starts: types.Stacked, uploads: dict[int, types.Tree]
   return trained, received
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(jax.jit, static_argnums=(0, 6))
 def _server_step(server_update: Callable[..., Any], state: Any, starts: types.Stacked,
-                 trained: types.Stacked, received: chex.Array, key: chex.PRNGKey
-                 ) -> tuple[Any, chex.Array]:
-  healthy = received & tree_lib.finite_clients(trained)
+                 trained: types.Stacked, received: chex.Array, key: chex.PRNGKey,
+                 outlier_factor: float | None) -> tuple[Any, chex.Array]:
+  healthy = engine.healthy_clients(
+      received, tree_lib.finite_clients(trained),
+      robust_lib.log2_update_norms(trained, starts), outlier_factor)
   trained = weights_lib.keep_masked(trained, starts, healthy)
   new = server_update(state, trained, healthy, key)
   return engine.keep_if_nobody(healthy, new, state), healthy
 
 
 def server_step(algorithm: alg.Algorithm, state: Any, tasks: Tasks,
-                uploads: dict[int, types.Tree]) -> tuple[Any, np.ndarray]:
+                uploads: dict[int, types.Tree], *,
+                outlier_factor: float | None = engine.OUTLIER_FACTOR
+                ) -> tuple[Any, np.ndarray]:
   """The round's aggregation of the uploads received: `(state, healthy)`.
 
-  A participant whose upload did not arrive or is not finite is dropped, as
-  the engine drops a faulty client: it counts as absent from the server step.
-  A round with no healthy upload keeps the state.
+  A participant whose upload did not arrive, is not finite or whose update
+  norm exceeds `outlier_factor` x the round's median is dropped, by the
+  engine's rule (`engine.healthy_clients`): it counts as absent from the
+  server step. A round with no healthy upload keeps the state.
   """
   trained, received = with_uploads(tasks.starts, uploads)
   state, healthy = _server_step(algorithm.server_update, state, tasks.starts, trained,
-                                received, tasks.server_key)
+                                received, tasks.server_key, outlier_factor or None)
   return state, np.asarray(healthy)
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(jax.jit, static_argnums=(0, 4))
 def _warmup_step(update: Callable[..., Any], state: Any, starts: types.Stacked,
-                 trained: types.Stacked) -> Any:
-  healthy = tree_lib.finite_clients(trained)
+                 trained: types.Stacked, outlier_factor: float | None) -> Any:
+  everyone = jnp.ones(tree_lib.num_clients(trained), bool)
+  healthy = engine.healthy_clients(
+      everyone, tree_lib.finite_clients(trained),
+      robust_lib.log2_update_norms(trained, starts), outlier_factor)
   return update(state, weights_lib.keep_masked(trained, starts, healthy), healthy)
 
 
 def warmup_step(algorithm: alg.Algorithm, state: Any,
-                uploads: dict[int, types.Tree]) -> Any:
-  """The algorithm's warm-up update (`Algorithm.warmup`) on the uploads received."""
+                uploads: dict[int, types.Tree], *,
+                outlier_factor: float | None = engine.OUTLIER_FACTOR) -> Any:
+  """The algorithm's warm-up update (`Algorithm.warmup`) on the uploads received,
+  the non-finite and outlying ones dropped (`engine.healthy_clients`)."""
   starts = algorithm.client_models(state)
   trained, _ = with_uploads(starts, uploads)
-  return _warmup_step(algorithm.warmup.update, state, starts, trained)
+  return _warmup_step(algorithm.warmup.update, state, starts, trained,
+                      outlier_factor or None)
 
 
 @functools.lru_cache(maxsize=16)

@@ -78,7 +78,16 @@ class ExperimentConfig:
     clients, participation: M and the fraction p of clients per round:
       `max(1, round(p M))` take part (a warning when that is more than 10%
       from p M, `participation_warning`).
-    faulty_clients: fraction of each round's participants that upload NaN.
+    faulty_clients: fraction of each round's participants that are faulty
+      (for "inflated_counts": of all clients, the same ones all run).
+    fault_kind: what faulty clients do (`pflax._src.engine.FAULT_KINDS`):
+      "nan" uploads NaN; "scaled" uploads `start + s (trained - start)`;
+      "inflated_counts" declares its class counts times s at registration
+      (its uploads are honest).
+    fault_scale: s (None: 1e30 for "scaled", 10 for "inflated_counts").
+    outlier_factor: the server drops a participant whose update norm exceeds
+      this many times the round's median (docs/methods.md#simulation); None
+      or 0 disables the test.
     rounds, eval_every: rounds, and evaluation every this many rounds (and
       after the last).
     model: "auto" (the CNN for images of 16+ pixels, else the MLP), "cnn",
@@ -110,6 +119,9 @@ class ExperimentConfig:
   test_split: str = "clients"
   participation: float = 1.0
   faulty_clients: float = 0.0
+  fault_kind: str = "nan"
+  fault_scale: float | None = None
+  outlier_factor: float | None = engine.OUTLIER_FACTOR
   rounds: int = 40
   eval_every: int = 1
   model: str = "auto"
@@ -407,6 +419,8 @@ def _plan(algorithm: str | Builder, config: ExperimentConfig, setup: Setup,
   return engine.Plan(build=build, num_clients=config.clients,
                      participation=config.participation,
                      fault_fraction=config.faulty_clients,
+                     fault_kind=config.fault_kind, fault_scale=config.fault_scale,
+                     outlier_factor=config.outlier_factor or None,
                      local_epochs=config.local_epochs, batch_size=config.batch_size,
                      strategy=strategy, output=setup.parts.output)
 
@@ -456,6 +470,12 @@ def check_config(config: ExperimentConfig) -> None:
   require(config.test_split in TEST_SPLITS, "test_split", f"one of {TEST_SPLITS}")
   require(0.0 < config.participation <= 1.0, "participation", "in (0, 1]")
   require(0.0 <= config.faulty_clients < 1.0, "faulty_clients", "a fraction in [0, 1)")
+  require(config.fault_kind in engine.FAULT_KINDS, "fault_kind",
+          f"one of {engine.FAULT_KINDS}")
+  require(config.fault_scale is None or math.isfinite(config.fault_scale),
+          "fault_scale", "None or finite")
+  require(not config.outlier_factor or config.outlier_factor > 1, "outlier_factor",
+          "None, 0 or > 1")
   require(config.rounds >= 1, "rounds", ">= 1")
   require(config.eval_every >= 1, "eval_every", ">= 1")
   require(config.local_epochs >= 1, "local_epochs", ">= 1")
@@ -654,7 +674,7 @@ class _Grid:
   def __init__(self, algorithm: str | Builder, config: ExperimentConfig,
                seeds: Sequence[int], swept: str | None, values: Sequence[float],
                setups: Mapping[int, Setup] | None, mesh: jax.sharding.Mesh | None,
-               new_setup: Callable[[int], Setup]):
+               new_setup: Callable[[int], Setup] | None = None):
     check_config(config)
     check_algorithm_keys(config, [algorithm])
     builder = resolve_builder(algorithm) if isinstance(algorithm, str) else algorithm
@@ -668,7 +688,7 @@ class _Grid:
     setups = dict(setups or {})
     for s in seeds:
       if s not in setups:
-        setups[s] = new_setup(s)
+        setups[s] = (new_setup or functools.partial(prepare, config))(s)
     check_setups(config, setups)
     self.runs = [(v, s) for v in (values or [None]) for s in seeds]
     fed = federation_lib.stack_federations([setups[s].federation for _, s in self.runs])

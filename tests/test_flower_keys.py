@@ -1,0 +1,70 @@
+"""The credentials of a secure Flower federation (`flower_keys`) and the sweep
+of its processes (`flower_guard`), without starting Flower."""
+
+import os
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("cryptography")
+
+from cryptography import x509  # pylint: disable=wrong-import-position
+from cryptography.hazmat.primitives import serialization  # pylint: disable=wrong-import-position
+from cryptography.hazmat.primitives.asymmetric import ec  # pylint: disable=wrong-import-position
+
+from pflax._src import flower_guard  # pylint: disable=wrong-import-position
+from pflax._src import flower_keys  # pylint: disable=wrong-import-position
+
+
+def _mode(path):
+  return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_the_server_certificate_is_signed_by_the_ca_for_the_hosts(tmp_path):
+  paths = flower_keys.write_certificates(str(tmp_path / "tls"),
+                                         ["127.0.0.1", "localhost"])
+  ca, server = (x509.load_pem_x509_certificate(open(p, "rb").read())
+                for p in (paths.ca, paths.cert))
+  server.verify_directly_issued_by(ca)
+  assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+  names = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+  assert [str(a) for a in names.get_values_for_type(x509.IPAddress)] == ["127.0.0.1"]
+  assert names.get_values_for_type(x509.DNSName) == ["localhost"]
+  key = serialization.load_pem_private_key(open(paths.key, "rb").read(), None)
+  assert key.public_key().public_numbers() == server.public_key().public_numbers()
+  assert _mode(tmp_path / "tls") == 0o700
+  assert all(_mode(p) == 0o600 for p in paths)
+
+
+def test_a_node_key_is_an_openssh_ec_pair_on_a_nist_curve(tmp_path):
+  pair = flower_keys.write_node_key(str(tmp_path / "keys"), "node-0")
+  private = serialization.load_ssh_private_key(open(pair.private, "rb").read(), None)
+  public = serialization.load_ssh_public_key(open(pair.public, "rb").read())
+  assert isinstance(private, ec.EllipticCurvePrivateKey)
+  assert isinstance(private.curve, ec.SECP384R1)
+  assert public.public_numbers() == private.public_key().public_numbers()
+  assert _mode(pair.private) == 0o600 and _mode(tmp_path / "keys") == 0o700
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
+def test_sweep_kills_exactly_the_marked_processes():
+  token = os.urandom(8).hex()
+  env = {**os.environ, flower_guard.VARIABLE: token}
+  marked = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            env=env)
+  other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+  try:
+    for _ in range(100):  # until the marked one has its environment (exec)
+      with open(f"/proc/{marked.pid}/environ", "rb") as f:
+        if token.encode() in f.read():
+          break
+      time.sleep(0.05)
+    assert flower_guard.sweep(token) == 1
+    assert marked.wait(5) == -9 and other.poll() is None
+  finally:
+    for p in (marked, other):
+      p.kill()
+      p.wait()
