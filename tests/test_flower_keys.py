@@ -68,3 +68,42 @@ def test_sweep_kills_exactly_the_marked_processes():
     for p in (marked, other):
       p.kill()
       p.wait()
+
+
+def test_a_deployment_past_the_available_memory_fails_before_starting(monkeypatch):
+  flower_deploy = pytest.importorskip("pflax._src.flower_deploy")
+  needed = flower_deploy.deployment_memory(8)
+  assert needed == (flower_deploy.DEPLOYMENT_FIXED
+                    + 8 * flower_deploy.DEPLOYMENT_PER_CLIENT)
+  flower_deploy.check_memory(8, needed)  # fits exactly
+  flower_deploy.check_memory(8, None)  # no /proc/meminfo: no check
+  with pytest.raises(RuntimeError) as error:
+    flower_deploy.check_memory(8, needed - 1)
+  message = str(error.value)
+  assert "\n" not in message and "8 clients" in message
+  assert f"{needed / 2**30:.1f} GiB" in message and "--flower simulation" in message
+  monkeypatch.setattr(flower_deploy, "available_memory", lambda: 2**30)
+  federation = flower_deploy.LocalFederation(4)
+  with pytest.raises(RuntimeError, match="4 clients"):
+    federation.__enter__()
+  assert federation.superlink is None and not federation.supernodes
+  assert not os.path.exists(federation.workdir)  # nothing started, nothing left
+
+
+def test_pflax_run_refuses_a_deployment_past_memory_in_one_line(tmp_path, monkeypatch):
+  pytest.importorskip("flwr")
+  from pflax._src import cli  # pylint: disable=import-outside-toplevel
+  from pflax._src import flower_deploy  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(flower_deploy, "available_memory", lambda: 2**30)
+  with pytest.raises(SystemExit) as info:
+    cli.main(["--flower", "--algorithms", "fedavg", "--clients", "4",
+              "--out", str(tmp_path / "out"), "--no-progress"])
+  message = str(info.value)
+  assert message.startswith("pflax-run: a Flower deployment of 4 clients needs about")
+  assert "\n" not in message and "--flower simulation" in message
+
+
+def test_flower_insecure_without_flower_is_one_line(tmp_path):
+  from pflax._src import cli  # pylint: disable=import-outside-toplevel
+  with pytest.raises(SystemExit, match="^pflax-run: --flower-insecure is for --flower"):
+    cli.main(["--flower-insecure", "--out", str(tmp_path / "out"), "--no-progress"])

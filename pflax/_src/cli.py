@@ -423,6 +423,8 @@ def _check_run_flags(args: argparse.Namespace) -> None:
     raise _fail(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
   if args.devices is not None and args.devices < 1:
     raise _fail(f"--devices must be >= 1, got {args.devices}")
+  if args.flower_insecure and not args.flower:
+    raise _fail("--flower-insecure is for --flower federations")
   try:
     os.makedirs(args.out, exist_ok=True)
     probe = os.path.join(args.out, ".pflax-write-test")
@@ -457,6 +459,12 @@ def _check_flower_flags(args: argparse.Namespace, config: simulate.ExperimentCon
       flower.Experiment(name, config, args.seeds[0]).check()
     except ValueError as e:
       raise _fail(f"--flower: {_flag_message(e)}") from None
+  if args.flower == "deployment":
+    from pflax._src import flower_deploy  # pylint: disable=import-outside-toplevel
+    try:
+      flower_deploy.check_memory(config.clients, flower_deploy.available_memory())
+    except RuntimeError as e:
+      raise _fail(str(e)) from None
 
 
 def _federation_env(args: argparse.Namespace) -> dict[str, str]:
