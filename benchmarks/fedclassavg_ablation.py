@@ -60,13 +60,6 @@ def simclr_view(key, x):
   return jnp.where(apply, jittered, out)
 
 
-def fedclassavg(model, optimizer, **keywords):
-  """`classifier_averaging` without a `parts` keyword, so that each member of the
-  heterogeneous family resolves its own parts (the working tree's `simulate`
-  passed the first model's parts to every member)."""
-  return builders.classifier_averaging(model, optimizer, **keywords)
-
-
 def subsample(train, test, seed):
   full = data.load("fashion_mnist")
   rng = np.random.default_rng(seed)
@@ -91,7 +84,7 @@ def main():
     builders.augment_lib.translate = simclr_view
   dataset = subsample(args.train, args.test, args.seed)
   for column in args.columns.split(","):
-    name = "local" if COLUMNS[column] is None else fedclassavg
+    name = "local" if COLUMNS[column] is None else "fedclassavg"
     config = simulate.ExperimentConfig(
         dataset="fashion_mnist", partition="dirichlet", dirichlet_alpha=0.5,
         clients=20, rounds=args.rounds, local_epochs=1, batch_size=64,

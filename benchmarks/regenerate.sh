@@ -15,6 +15,9 @@ if [[ "${1:-}" == "--quick" ]]; then
   python benchmarks/sweeps.py --quick
   python benchmarks/many_clients.py --quick
   python benchmarks/reproduce.py --quick
+  python benchmarks/reproduce_fmnist.py --quick
+  python benchmarks/cwfedavg_partial.py --rounds 2 --out /tmp/cwfedavg_partial_quick.md
+  python benchmarks/robust.py --rounds 2 --seeds 0
   python benchmarks/flower_traffic.py --quick
   exit 0
 fi
@@ -27,4 +30,8 @@ python benchmarks/training.py --clients 10 20 50 100 200 500 1000 --impls "pflax
 python benchmarks/sweeps.py --out "$results/sweeps.md"
 python benchmarks/many_clients.py | tee "$results/many_clients.md"
 python benchmarks/reproduce.py                    # reproduction.md, reproduction-*.json, reproduction.png
+python benchmarks/reproduce_fmnist.py --size cpu  # reproduction_fmnist.md (Fashion-MNIST: apt-get install dataset-fashion-mnist)
+python benchmarks/cwfedavg_partial.py             # cwfedavg_partial.md (about 50 min)
+python benchmarks/fedclassavg_ablation.py --model mlp --train 4000 --test 2000 --rounds 40  # fedclassavg_fmnist.md
+python benchmarks/robust.py                       # robust.md
 python benchmarks/flower_traffic.py --out "$results/flower_traffic.md"
