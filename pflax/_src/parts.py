@@ -141,20 +141,14 @@ def model_parts(model: nn.Module, input_shape: Sequence[int],
         "output layer: declare it, e.g. parts=pflax.models.Parts(output="
         "pflax.tree.under('<output layer name>')).")
   path = paths[-1]
-  width = _kernel_at(params, path).shape[-1]
+  output = tree_lib.under(*path)
+  width = output_kernel(params, output).shape[-1]
   if num_classes is not None and width != num_classes:
     raise ValueError(
         f"model {name}: its last Dense layer {'/'.join(path)} has {width} outputs, "
         f"expected num_classes = {num_classes}; declare the output layer with "
         "parts=pflax.models.Parts(output=pflax.tree.under(...)).")
-  return Parts(output=tree_lib.under(*path))
-
-
-def _kernel_at(params: types.Tree, path: tuple[str, ...]) -> Any:
-  node = params
-  for name in path:
-    node = node[name]
-  return node["kernel"]
+  return Parts(output=output)
 
 
 def output_kernel(params: types.Tree, where: types.Selector = PFLAX_OUTPUT
