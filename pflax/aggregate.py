@@ -2,7 +2,6 @@
 
 from pflax._src.cwfedavg import class_models
 from pflax._src.cwfedavg import cw_fedavg
-from pflax._src.cwfedavg import estimate_class_dist
 from pflax._src.cwfedavg import personalize
 from pflax._src.fedavg import fedavg
 from pflax._src.fedavg import fedclassavg
@@ -20,6 +19,7 @@ from pflax._src.robust import clip_updates
 from pflax._src.robust import log2_update_norms
 from pflax._src.robust import median
 from pflax._src.robust import trimmed_mean
+from pflax._src.weights import estimate_class_dist
 
 __all__ = (
     "FedReMaState",

@@ -4,6 +4,10 @@ stacked client data (NumPy, host side), augmentation."""
 from pflax._src.data.arrays import Dataset
 from pflax._src.data.arrays import from_arrays
 from pflax._src.data.arrays import pooled
+from pflax._src.data.augment import color_jitter
+from pflax._src.data.augment import horizontal_flip
+from pflax._src.data.augment import random_resized_crop
+from pflax._src.data.augment import simclr
 from pflax._src.data.augment import translate
 from pflax._src.data.clients import ClientData
 from pflax._src.data.clients import stack_clients
@@ -24,23 +28,27 @@ from pflax._src.data.split import deal_test_split
 from pflax._src.data.split import train_test_split
 
 __all__ = (
-    "ClientData",
-    "Dataset",
-    "Federation",
-    "Partition",
     "class_counts",
+    "ClientData",
+    "color_jitter",
+    "Dataset",
     "deal_test_split",
     "dirichlet",
     "federate",
+    "Federation",
     "from_arrays",
     "groups",
+    "horizontal_flip",
     "load",
     "load_digits",
     "load_idx",
     "load_npz",
     "load_tfds",
+    "Partition",
     "pathological",
     "pooled",
+    "random_resized_crop",
+    "simclr",
     "stack_clients",
     "stack_federations",
     "train_test_split",

@@ -4,6 +4,7 @@ which layers of any Flax model pflax's methods read."""
 from pflax._src.models import CNN
 from pflax._src.models import ConvFeatures
 from pflax._src.models import DenseFeatures
+from pflax._src.models import FAMILIES
 from pflax._src.models import feature_dim
 from pflax._src.models import get_model
 from pflax._src.models import Head
@@ -11,6 +12,7 @@ from pflax._src.models import heterogeneous_family
 from pflax._src.models import init_stacked
 from pflax._src.models import max_pool_2x2
 from pflax._src.models import MLP
+from pflax._src.models import mlp_family
 from pflax._src.parts import Parts
 from pflax._src.parts import model_parts
 from pflax._src.parts import output_kernel
@@ -19,6 +21,7 @@ __all__ = (
     "CNN",
     "ConvFeatures",
     "DenseFeatures",
+    "FAMILIES",
     "feature_dim",
     "get_model",
     "Head",
@@ -26,6 +29,7 @@ __all__ = (
     "init_stacked",
     "max_pool_2x2",
     "MLP",
+    "mlp_family",
     "Parts",
     "model_parts",
     "output_kernel",

@@ -107,3 +107,13 @@ def test_flower_insecure_without_flower_is_one_line(tmp_path):
   from pflax._src import cli  # pylint: disable=import-outside-toplevel
   with pytest.raises(SystemExit, match="^pflax-run: --flower-insecure is for --flower"):
     cli.main(["--flower-insecure", "--out", str(tmp_path / "out"), "--no-progress"])
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(node_env={4: {"A": "1"}}), r"node_env's keys must be nodes in \[0, 4\), got \[4\]"),
+    (dict(node_env={0: {"A": "1"}}, simulation=True), "node_env is for a deployment's"),
+])
+def test_node_env_names_existing_supernodes_of_a_deployment(kwargs, match):
+  from pflax._src import flower_deploy  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ValueError, match=match):
+    flower_deploy.LocalFederation(4, **kwargs)

@@ -20,6 +20,7 @@ pytest.importorskip("flwr")
 from pflax import flower  # pylint: disable=wrong-import-position
 from pflax._src import flower_deploy  # pylint: disable=wrong-import-position
 from pflax._src import flower_guard  # pylint: disable=wrong-import-position
+import processes  # pylint: disable=wrong-import-position
 from pflax._src import flower_keys  # pylint: disable=wrong-import-position
 
 pytestmark = pytest.mark.slow
@@ -121,15 +122,6 @@ def _descendants(pid):
   return found
 
 
-def _environment(pid):
-  try:
-    with open(f"/proc/{pid}/environ", "rb") as f:
-      pairs = f.read().decode(errors="replace").split("\0")
-  except OSError:
-    return {}
-  return dict(p.split("=", 1) for p in pairs if "=" in p)
-
-
 def _cmdline(pid):
   try:
     with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -142,7 +134,7 @@ def _alive(token):
   """The processes of the federation marked `token` (zombies excluded)."""
   alive = []
   for name in os.listdir("/proc"):
-    if name.isdigit() and _environment(name).get(flower_guard.VARIABLE) == token:
+    if name.isdigit() and processes.environment(name).get(flower_guard.VARIABLE) == token:
       try:
         with open(f"/proc/{name}/stat", encoding="utf-8") as f:
           if f.read().rsplit(")", 1)[1].split()[0] != "Z":
@@ -179,7 +171,7 @@ def _wait_for_the_server_app(process, timeout=100.0):
     assert process.poll() is None, process.stdout.read()
     tree = _descendants(process.pid)
     if any("flwr-serverapp" in " ".join(_cmdline(p)) for p in tree):
-      token = next(filter(None, (_environment(p).get(flower_guard.VARIABLE)
+      token = next(filter(None, (processes.environment(p).get(flower_guard.VARIABLE)
                                  for p in tree)))
       ports = [int(c[c.index("--port") + 1]) for c in map(_cmdline, tree)
                if "--port" in c]

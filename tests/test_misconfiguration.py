@@ -214,3 +214,34 @@ def test_cli_data_errors_end_as_pflax_run_messages(monkeypatch, tmp_path, error)
   with pytest.raises(SystemExit) as exit_:
     cli.main(["--dataset", "mnist", "--download", *QUIET, "--out", str(tmp_path)])
   assert str(exit_.value) == "pflax-run: cannot load mnist:\n  see --download"
+
+
+# The architecture family of heterogeneous clients.
+
+def test_a_family_without_heterogeneous_clients_is_an_error():
+  config = dataclasses.replace(CONFIG, family="mlp")
+  with pytest.raises(ValueError, match=r'^family must be "cnn" \(the default\) unless '
+                                       r"heterogeneous=True"):
+    simulate.run("fedclassavg", config, 0)
+
+
+def test_an_unknown_family_is_an_error():
+  config = dataclasses.replace(CONFIG, heterogeneous=True, family="resnet")
+  with pytest.raises(ValueError, match=r"^family must be one of \('cnn', 'mlp'\), "
+                                       "got 'resnet'"):
+    simulate.run("fedclassavg", config, 0)
+
+
+def test_cli_unknown_family_is_refused(capsys):
+  with pytest.raises(SystemExit):
+    cli.main(["--heterogeneous", "--family", "resnet", *QUIET])
+  assert "invalid choice: 'resnet'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["cnn", "mlp"])
+def test_heterogeneous_clients_get_the_family_named(family):
+  config = dataclasses.replace(CONFIG, clients=8, heterogeneous=True, family=family)
+  setup = simulate.prepare(config, 0)
+  plan = simulate_lib._plan("fedavg", config, setup, config.clients, "auto", None)
+  assert plan.build(None).models == simulate_lib.models.FAMILIES[family](
+      setup.num_classes)

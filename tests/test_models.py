@@ -282,15 +282,19 @@ def test_init_stacked_rejects_no_clients():
     models.init_stacked(_TINY, jax.random.key(0), _TINY_X, 0)
 
 
-def test_heterogeneous_family_shares_only_output():
-  family = models.heterogeneous_family(10, representation_dim=64)
-  assert 3 <= len(family) <= 4
+@pytest.mark.parametrize("name", sorted(models.FAMILIES))
+def test_family_shares_only_output(name):
+  family = models.FAMILIES[name](10, representation_dim=64)
+  assert len(family) == 4
   params = [_abstract_params(m, (28, 28, 1)) for m in family]
   rest = []
   for p in params:
-    assert _shapes(p["classifier"]["output"]) == {"kernel": (64, 10), "bias": (10,)}
-    assert _shapes(p["classifier"]["hidden_0"])["kernel"][1] == 64
-    rest.append(str(_shapes({"features": p["features"], "hidden": p["classifier"]["hidden_0"]})))
+    classifier = p["classifier"]
+    assert _shapes(classifier["output"]) == {"kernel": (64, 10), "bias": (10,)}
+    last_hidden = max(k for k in classifier if k.startswith("hidden_"))
+    assert _shapes(classifier[last_hidden])["kernel"][1] == 64
+    rest.append(str(_shapes({"features": p["features"],
+                             **{k: v for k, v in classifier.items() if k != "output"}})))
   assert len(set(rest)) == len(family)
 
 
@@ -306,9 +310,10 @@ def _output_shapes(model, input_shape):
   return tuple(o.shape for o in out)
 
 
+@pytest.mark.parametrize("name", sorted(models.FAMILIES))
 @pytest.mark.parametrize("size", [8, 32])
-def test_heterogeneous_family_shapes(size):
-  for model in models.heterogeneous_family(6, representation_dim=16):
+def test_family_shapes(name, size):
+  for model in models.FAMILIES[name](6, representation_dim=16):
     assert _output_shapes(model, (size, size, 3)) == ((2, 6), (2, 16))
 
 

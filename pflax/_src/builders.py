@@ -51,9 +51,34 @@ class ClientModels(NamedTuple):
   params: types.Stacked
 
 
-def local_training(model: nn.Module, optimizer: optax.GradientTransformation
-                   ) -> alg.Algorithm:
-  """Local training only: each client keeps its own model, no aggregation."""
+def _augmented_cross_entropy(model: nn.Module, view: Callable) -> Callable:
+  """CE on one view `view(k1, x)` of the batch, `k1 = split(key)[0]`: the view
+  FedClassAvg's CE term sees for the same step key."""
+  def loss(params, context, batch, key):
+    del context
+    x = view(jax.random.split(key)[0], batch.x)
+    return losses.cross_entropy(alg.logits(model, params, x), batch.y, batch.mask)
+  return loss
+
+
+def local_training(model: nn.Module, optimizer: optax.GradientTransformation, *,
+                   augment: str = "none") -> alg.Algorithm:
+  """Local training only: each client keeps its own model, no aggregation.
+
+  Args:
+    model: the clients' Flax model.
+    optimizer: the clients' optimizer.
+    augment: the view each batch is trained on: `"none"` (the images as they are,
+      the default), `"translate"` (a random translation) or `"simclr"` (one of
+      the SimCLR views FedClassAvg's authors train FedClassAvg on,
+      `pflax._src.data.augment.simclr`). FedClassAvg (Jang et al., ICPP 2022)
+      compares against a Local baseline trained without augmentation;
+      `augment="simclr"` is the baseline with FedClassAvg's views.
+  """
+  view = augment_lib.view_fn(augment, "local_training's augment")
+  loss = (alg.cross_entropy_loss(model) if augment == "none"
+          else _augmented_cross_entropy(model, view))
+
   def server_update(state, trained, mask, key):
     del key
     return ClientModels(weights_lib.keep_masked(trained, state.params, mask))
@@ -61,7 +86,7 @@ def local_training(model: nn.Module, optimizer: optax.GradientTransformation
   return alg.Algorithm(
       init=lambda params, class_counts, key: ClientModels(params),
       client_models=lambda state: state.params,
-      loss=alg.cross_entropy_loss(model), optimizer=optimizer,
+      loss=loss, optimizer=optimizer,
       server_update=server_update,
       evaluate=lambda state: {"personalized": state.params})
 
@@ -334,12 +359,13 @@ def classifier_averaging(model: nn.Module, optimizer: optax.GradientTransformati
                          supcon_base_temperature: float = 0.07,
                          warmup_epochs: int = 1,
                          classifier: types.Selector | None = None,
-                         parts: parts_lib.Parts | None = None) -> alg.Algorithm:
+                         parts: parts_lib.Parts | None = None,
+                         augment: str = "translate") -> alg.Algorithm:
   """FedClassAvg (Jang et al.): averaged classifier, SupCon on two views, proximal head.
 
   Local objective (Eq. 4): `CE(y, f(x')) + SupCon(F(x'), F(x'')) +
   rho/2 sum_tensors mean((C_k - C)^2)`, with C the averaged classifier and x',
-  x'' two random translations of the batch. A client's personalized model is
+  x'' two random views of the batch (`augment`). A client's personalized model is
   its own feature extractor with its own classifier (Algorithm 1's output);
   `global` is the averaged classifier on the client's own features.
 
@@ -355,6 +381,12 @@ def classifier_averaging(model: nn.Module, optimizer: optax.GradientTransformati
     classifier: selector of the averaged classifier (None: the output layer).
     parts: the model's `pflax.models.Parts` (its output layer and
       representation); None for pflax's models.
+    augment: how the views x', x'' are drawn (Eq. 4 leaves it open):
+      `"translate"` (two random edge-padded translations, the default),
+      `"simclr"` (the authors' code: RandomResizedCrop scale (0.2, 1), flip,
+      brightness/contrast/saturation jitter 0.4 with p = 0.8, no hue jitter;
+      `pflax._src.data.augment.simclr`) or `"none"` (the batch itself; only
+      with `supcon=False`, since SupCon's two views would be equal).
 
   Notes:
     [settled: authors' code] SupCon acts on the last hidden layer's linear
@@ -368,20 +400,24 @@ def classifier_averaging(model: nn.Module, optimizer: optax.GradientTransformati
                   open_low=True)
   if warmup_epochs < 0:
     raise ValueError(f"warmup_epochs must be >= 0, got {warmup_epochs}.")
+  view = augment_lib.view_fn(augment, "classifier_averaging's augment")
+  if augment == "none" and supcon:
+    raise ValueError("classifier_averaging's augment='none' needs supcon=False: "
+                     "SupCon's two views would both be the batch itself.")
   parts = parts_lib.resolve(model, parts, "classifier_averaging")
   classifier = parts.output if classifier is None else classifier
   representation = parts_lib.representation_fn(model, parts)
 
   def loss(params, global_head, batch, key):
     k1, k2 = jax.random.split(key)
-    view1 = augment_lib.translate(k1, batch.x)
+    view1 = view(k1, batch.x)
     own_head = tree_lib.selected(params, classifier)
     prox = losses.proximal(own_head, global_head, reduce="mean")
     total = (losses.cross_entropy(alg.logits(model, params, view1), batch.y, batch.mask)
              + rho * prox)
     if not supcon:
       return total
-    view2 = augment_lib.translate(k2, batch.x)
+    view2 = view(k2, batch.x)
     feats = jnp.concatenate([representation(params, view1),
                              representation(params, view2)])
     labels = jnp.concatenate([batch.y, batch.y])

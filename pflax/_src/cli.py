@@ -54,6 +54,8 @@ FIELD_HELP = {
     "heterogeneous": "clients use four architectures sharing the output layer "
                      "(algorithms that share a head: local, fedavg, cwfedavg, "
                      "fedclassavg, fedsa)",
+    "family": "the architectures of --heterogeneous clients: cnn (three CNNs and an "
+              "MLP) or mlp (four MLPs, CPU-sized)",
     "strategy": "how clients are mapped in local training",
     "lr": "the clients' learning rate (FedClassAvg: its own, see --set)",
     "grad_clip": "clip each local model's gradient to this global norm (FedDWA's w "
@@ -62,6 +64,7 @@ FIELD_HELP = {
 FIELD_CHOICES = {"partition": simulate.PARTITIONS, "test_split": simulate.TEST_SPLITS,
                  "fault_kind": ("nan", "scaled", "inflated_counts"),
                  "model": ("auto", "cnn", "mlp"),
+                 "family": ("cnn", "mlp"),
                  "strategy": ("auto", "vmap", "loop", "map"),
                  "optimizer": ("sgd", "adam")}
 CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(simulate.ExperimentConfig)

@@ -18,10 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from pflax._src import checks
-from pflax._src import fedavg as fedavg_lib
+from pflax._src import numerics
 from pflax._src import tree as tree_lib
 from pflax._src import types
 from pflax._src import weights as weights_lib
+
+# Eq. (4) is a statistic, so it lives in `weights`; re-exported for its callers.
+estimate_class_dist = weights_lib.estimate_class_dist
 
 
 class ClassWeights(NamedTuple):
@@ -58,7 +61,7 @@ def class_weights(class_dist: chex.Array, num_samples: chex.Array | None,
   if mask is not None:
     class_dist = jnp.where(mask[:, None], class_dist, 0.0)
   if num_samples is None:
-    shares = weights_lib.normalize(class_dist.reshape(-1), dtype)
+    shares = numerics.normalize(class_dist.reshape(-1), dtype)
     num_samples = jnp.sum(shares.reshape(class_dist.shape), axis=1)
   client = weights_lib.client_weights(num_samples, class_dist.shape[0], mask, dtype)
   dist = weights_lib.row_distribution(class_dist, dtype)
@@ -91,7 +94,7 @@ def _cw_fedavg(params: types.Stacked, class_dist: chex.Array,
                num_samples: chex.Array | None, mask: chex.Array | None,
                flags: tuple[bool, ...]) -> types.Stacked:
   m = class_dist.shape[0]
-  w = class_weights(class_dist, num_samples, mask, weights_lib.weight_dtype(params))
+  w = class_weights(class_dist, num_samples, mask, numerics.weight_dtype(params))
 
   def personalized(p: types.Stacked) -> types.Stacked:
     mixed = tree_lib.map_selected(
@@ -168,7 +171,7 @@ def cw_fedavg(params: types.Stacked, class_dist: chex.Array,
 def _class_models(params: types.Stacked, class_dist: chex.Array,
                   num_samples: chex.Array | None,
                   mask: chex.Array | None) -> types.Stacked:
-  w = class_weights(class_dist, num_samples, mask, weights_lib.weight_dtype(params))
+  w = class_weights(class_dist, num_samples, mask, numerics.weight_dtype(params))
   share_t = w.share.T
   return jax.tree.map(lambda x: tree_lib.mix_leaf(share_t, x),
                       weights_lib.zero_masked(params, mask))
@@ -190,7 +193,7 @@ def class_models(params: types.Stacked, class_dist: chex.Array,
 
 @jax.jit
 def _personalize(class_models: types.Stacked, class_dist: chex.Array) -> types.Stacked:
-  dist = weights_lib.row_distribution(class_dist, weights_lib.weight_dtype(class_models))
+  dist = weights_lib.row_distribution(class_dist, numerics.weight_dtype(class_models))
   return jax.tree.map(lambda x: tree_lib.mix_leaf(dist, x), class_models)
 
 
@@ -213,48 +216,3 @@ def personalize(class_models: types.Stacked, class_dist: chex.Array) -> types.St
                      f"of class models), got {np.shape(class_dist)}.")
   checks.non_negative_finite(class_dist, "class_dist")
   return _personalize(class_models, jnp.asarray(class_dist))
-
-
-def _safe_norm(x: chex.Array, axis: int) -> chex.Array:
-  """Euclidean norm with a finite (zero) gradient at the origin."""
-  sq = jnp.sum(jnp.square(x), axis=axis)
-  positive = sq > 0
-  return jnp.where(positive, jnp.sqrt(jnp.where(positive, sq, 1.0)), 0.0)
-
-
-@jax.jit
-def _estimate_class_dist(kernel: chex.Array) -> chex.Array:
-  kernel = kernel.astype(tree_lib.accumulation_dtype(kernel.dtype))
-  norms = _safe_norm(weights_lib.scale_down(kernel, axis=(-2, -1)), axis=-2)
-  return weights_lib.row_distribution(norms, norms.dtype)
-
-
-def estimate_class_dist(kernel: chex.Array) -> chex.Array:
-  """Class distribution estimated from an output-layer kernel (Eq. 4).
-
-  `p~_j = ||kernel[:, j]||_2 / sum_k ||kernel[:, k]||_2`: norms over the input
-  axis of a Flax `Dense` kernel `(..., F, K)`, bias excluded, norms not squared.
-  A kernel of all zeros gives the uniform `1/K`. Works stacked `(M, F, K)` or not.
-
-  Args:
-    kernel: `(..., F, K)` real floating-point kernel, K >= 1.
-
-  Returns:
-    `(..., K)` distributions, float32 (float64 for a float64 kernel).
-
-  Notes:
-    Each kernel is scaled by a power of two near its largest `|entry|` before
-    the norms (the ratios do not depend on it, and it is a constant for
-    gradients), so kernels of any magnitude give finite results; the gradient
-    stays finite at zero.
-
-  References:
-    cwFedAvg paper Eq. (4).
-  """
-  if np.ndim(kernel) < 2:
-    raise ValueError(f"kernel must have shape (..., F, K), got {np.shape(kernel)}.")
-  if np.shape(kernel)[-1] == 0:
-    raise ValueError(f"kernel must have shape (..., F, K) with K >= 1 classes, got "
-                     f"{np.shape(kernel)}.")
-  checks.float_leaves(kernel, "kernel")
-  return _estimate_class_dist(jnp.asarray(kernel))

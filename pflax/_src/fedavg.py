@@ -11,6 +11,7 @@ import chex
 import jax
 
 from pflax._src import checks
+from pflax._src import numerics
 from pflax._src import tree as tree_lib
 from pflax._src import types
 from pflax._src import weights as weights_lib
@@ -24,7 +25,7 @@ def _num_clients(params: types.Stacked) -> int:
 def _fedavg(params: types.Stacked, num_samples: chex.Array | None,
             mask: chex.Array | None) -> types.Tree:
   row = weights_lib.client_weights(num_samples, _num_clients(params), mask,
-                                   weights_lib.weight_dtype(params))[None]
+                                   numerics.weight_dtype(params))[None]
   safe = weights_lib.zero_masked(params, mask)
   return jax.tree.map(lambda x: tree_lib.mix_leaf(row, x)[0], safe)
 
@@ -76,7 +77,7 @@ def _fedclassavg(params: types.Stacked, num_samples: chex.Array | None,
                  mask: chex.Array | None, flags: tuple[bool, ...]) -> types.Stacked:
   m = _num_clients(params)
   weights = weights_lib.client_weights(num_samples, m, mask,
-                                       weights_lib.weight_dtype(params))
+                                       numerics.weight_dtype(params))
 
   def average(p: types.Stacked) -> types.Stacked:
     averaged = tree_lib.map_selected(

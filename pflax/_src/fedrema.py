@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pflax._src import checks
+from pflax._src import numerics
 from pflax._src import tree as tree_lib
 from pflax._src import types
 from pflax._src import weights as weights_lib
@@ -172,7 +173,7 @@ def _mds_all(s_row: chex.Array) -> tuple[chex.Array, chex.Array]:
 
 def _row_normalize_or_keep(weights: chex.Array) -> chex.Array:
   """Normalises rows to sum 1; an all-zero row becomes the identity row."""
-  rows = weights_lib.normalize(weights, weights.dtype)
+  rows = numerics.normalize(weights, weights.dtype)
   eye = jnp.eye(weights.shape[0], dtype=weights.dtype)
   return jnp.where(jnp.sum(rows, axis=1, keepdims=True) > 0, rows, eye)
 
@@ -204,7 +205,7 @@ def _fedrema(params: types.Stacked, num_samples: chex.Array | None,
   """`fedrema` after its boundary checks, compiled once per structure."""
   leaves, treedef = jax.tree.flatten(params)
   m = leaves[0].shape[0]
-  dtype = weights_lib.weight_dtype(params)
+  dtype = numerics.weight_dtype(params)
   valid = jnp.ones((m,), bool) if mask is None else mask
   fedavg_row = weights_lib.client_weights(num_samples, m, mask, dtype)
   soft = jnp.where(valid[:, None], jnp.asarray(soft, jnp.float32), 0.0)

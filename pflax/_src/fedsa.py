@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pflax._src import checks
-from pflax._src import tree as tree_lib
+from pflax._src import numerics
 from pflax._src import types
 from pflax._src import weights as weights_lib
 
@@ -34,28 +34,6 @@ def _count_dot(a: chex.Array, b: chex.Array, b_axis: int = 0) -> chex.Array:
   """
   return jax.lax.dot_general(a, b, (((1,), (b_axis,)), ((), ())),
                              preferred_element_type=jnp.int32)
-
-
-def _int_type(info: jnp.finfo) -> jnp.dtype:
-  return jnp.int32 if info.bits == 32 else jnp.int64
-
-
-def _exponent(x: chex.Array) -> chex.Array:
-  """`e` with `2^(e-1) <= |x| < 2^e` for normal `x` (frexp's), read from its bits.
-
-  Zero and subnormals give the smallest normal exponent, inf and NaN the
-  largest plus one.
-  """
-  info = jnp.finfo(x.dtype)
-  bits = jax.lax.bitcast_convert_type(x, _int_type(info))
-  return ((bits >> info.nmant) & (2 * info.maxexp - 1)) - (info.maxexp - 2)
-
-
-def _power_of_two(exponent: chex.Array, dtype: jnp.dtype) -> chex.Array:
-  """`2.0 ** exponent` exactly, built from its bits (exponent in the normal range)."""
-  info = jnp.finfo(dtype)
-  biased = (exponent + (info.maxexp - 1)).astype(_int_type(info)) << info.nmant
-  return jax.lax.bitcast_convert_type(biased, dtype)
 
 
 def _valid_range(w: chex.Array, valid: chex.Array) -> tuple[chex.Array, chex.Array]:
@@ -92,9 +70,10 @@ def _scaled(w: chex.Array, valid: chex.Array) -> _Scaled:
   """
   lo, hi = _valid_range(jax.lax.stop_gradient(w), valid)
   info = jnp.finfo(w.dtype)
-  e = jnp.clip(_exponent(jnp.maximum(jnp.abs(lo), jnp.abs(hi))), info.minexp,
-               info.maxexp - 2)
-  scale, unscale = _power_of_two(-e, w.dtype), _power_of_two(e, w.dtype)
+  e = jnp.clip(numerics.frexp_exponent(jnp.maximum(jnp.abs(lo), jnp.abs(hi))),
+               info.minexp, info.maxexp - 2)
+  scale = numerics.power_of_two(-e, w.dtype)
+  unscale = numerics.power_of_two(e, w.dtype)
   return _Scaled(w * scale, lo * scale, hi * scale, scale, unscale)
 
 
@@ -308,7 +287,7 @@ class _LeafStatistics(NamedTuple):
 def _leaf_statistics(leaf: chex.Array, valid: chex.Array, cv_threshold: chex.Numeric,
                      num_mic: int, ddof: int) -> _LeafStatistics:
   """Dispersion, MIC categories and agreement counts of one stacked leaf."""
-  w = leaf.reshape(leaf.shape[0], -1).astype(tree_lib.accumulation_dtype(leaf.dtype))
+  w = leaf.reshape(leaf.shape[0], -1).astype(numerics.accumulation_dtype(leaf.dtype))
   scaled = _scaled(w, valid)
   high = high_dispersion(scaled, valid, cv_threshold, ddof)
   categories = micro_classes(scaled, num_mic)
@@ -341,7 +320,7 @@ def _fedsa(params: types.Stacked, num_samples: chex.Array | None,
   m = leaves[0].shape[0]
   valid = jnp.ones((m,), bool) if mask is None else mask
   client = weights_lib.client_weights(num_samples, m, mask,
-                                      weights_lib.weight_dtype(params))
+                                      numerics.weight_dtype(params))
   stats = [_leaf_statistics(x, valid, cv_threshold, num_mic, ddof) for x in leaves]
   # Step 5 for all leaves at once: one batched loop compiles and runs faster
   # than a loop per leaf.

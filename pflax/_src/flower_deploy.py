@@ -238,6 +238,9 @@ class LocalFederation:
       on this machine that knows the port can use the SuperLink.
     log_dir: where the processes' logs are written and kept (default:
       `workdir`).
+    node_env: `{i: variables}`, extra environment variables of SuperNode i's
+      processes only (its SuperExec and ClientApps inherit them), over `env`:
+      e.g. another `PYTHONPATH` for one node (a node running other code).
 
   Raises (on entry):
     RuntimeError: a deployment (not `simulation`) would need more memory than
@@ -247,11 +250,18 @@ class LocalFederation:
   def __init__(self, num_nodes: int, workdir: str | None = None,
                env: Mapping[str, str] | None = None, simulation: bool = False,
                cpus_per_client: int = 1, insecure: bool = False,
-               log_dir: str | None = None):
+               log_dir: str | None = None,
+               node_env: Mapping[int, Mapping[str, str]] | None = None):
     if num_nodes < 1:
       raise ValueError(f"num_nodes must be >= 1, got {num_nodes}.")
     if cpus_per_client < 1:
       raise ValueError(f"cpus_per_client must be >= 1, got {cpus_per_client}.")
+    if node_env and simulation:
+      raise ValueError("node_env is for a deployment's SuperNodes: the simulation "
+                       "engine has none.")
+    if node_env and not set(node_env) <= set(range(num_nodes)):
+      raise ValueError(f"node_env's keys must be nodes in [0, {num_nodes}), got "
+                       f"{sorted(node_env)}.")
     if insecure:
       warnings.warn("LocalFederation(insecure=True): the SuperLink runs without TLS "
                     "or SuperNode authentication; any process on this machine that "
@@ -272,6 +282,7 @@ class LocalFederation:
                 # Flower starts `flower-superexec` from PATH.
                 "PATH": os.pathsep.join(p for p in (bin_dir, os.environ.get("PATH"))
                                         if p)}
+    self.node_env = {i: dict(v) for i, v in (node_env or {}).items()}
     self.superlink: subprocess.Popen | None = None
     self.supernodes: list[subprocess.Popen] = []
     self.port = 0
@@ -281,10 +292,11 @@ class LocalFederation:
   def _log(self, name: str) -> str:
     return os.path.join(self.log_dir, f"{name}.log")
 
-  def _start(self, name: str, args: list[str], log: str | None = None
-             ) -> subprocess.Popen:
-    """Starts `args`, logging to `name`.log (a new one) or to `log`; the first
-    call starts the watchdog that kills the federation if this process dies."""
+  def _start(self, name: str, args: list[str], log: str | None = None,
+             env: Mapping[str, str] | None = None) -> subprocess.Popen:
+    """Starts `args`, logging to `name`.log (a new one) or to `log`, with
+    `self.env` updated with `env`; the first call starts the watchdog that kills
+    the federation if this process dies."""
     if log is None:
       log = self._log(name)
       with contextlib.suppress(FileNotFoundError):
@@ -293,7 +305,8 @@ class LocalFederation:
       self._watchdog = subprocess.Popen(
           [sys.executable, "-I", flower_guard.__file__, "watch", self._token],
           stdin=subprocess.PIPE, text=True, start_new_session=True)
-    return _popen(args, log, self.env)
+    return _popen(args, log, {**self.env, **(env or {}),
+                              flower_guard.VARIABLE: self._token})
 
   @property
   def home(self) -> str:
@@ -376,7 +389,8 @@ class LocalFederation:
       node = self._start(f"supernode-{i}", [
           _executable("flower-supernode"), *tls, "--superlink",
           f"{LOOPBACK}:{self.port}", "--host", LOOPBACK, "--port", str(port),
-          "--node-config", f"partition-id={i} num-partitions={self.num_nodes}"])
+          "--node-config", f"partition-id={i} num-partitions={self.num_nodes}"],
+                         env=self.node_env.get(i))
       self.supernodes.append(node)
       _wait_for_port(port, node, self._log(f"supernode-{i}"), 60.0)
 

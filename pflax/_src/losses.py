@@ -6,16 +6,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from pflax._src import checks
-from pflax._src import cwfedavg
+from pflax._src import numerics
 from pflax._src import types
 from pflax._src import weights as weights_lib
 
 
-def _safe_l2(x: chex.Array) -> chex.Array:
-  """`||x||_2` with a zero (finite) gradient at the origin."""
-  sq = jnp.sum(jnp.square(x))
-  positive = sq > 0
-  return jnp.where(positive, jnp.sqrt(jnp.where(positive, sq, 1.0)), 0.0)
+def _wide(x: chex.Array) -> chex.Array:
+  """`x` in float32, or in its own dtype if wider (float64 stays float64)."""
+  return x.astype(numerics.accumulation_dtype(x.dtype))
 
 
 def wdr(kernel: chex.Array, class_dist: chex.Array) -> chex.Array:
@@ -43,7 +41,7 @@ def wdr(kernel: chex.Array, class_dist: chex.Array) -> chex.Array:
   checks.shape(class_dist, "class_dist", (k,), "(K,)")
   checks.non_negative_finite(class_dist, "class_dist")
   target = weights_lib.row_distribution(class_dist)
-  return _safe_l2(target - cwfedavg.estimate_class_dist(kernel))
+  return numerics.safe_norm(target - weights_lib.estimate_class_dist(kernel))
 
 
 def proximal(params: types.Tree, anchor: types.Tree, reduce: str = "sum") -> chex.Array:
@@ -57,7 +55,8 @@ def proximal(params: types.Tree, anchor: types.Tree, reduce: str = "sum") -> che
       authors' code).
 
   Returns:
-    A float32 scalar; multiply by the method's coefficient.
+    A float32 scalar (float64 for float64 inputs); multiply by the method's
+    coefficient.
 
   References:
     Li et al., "Federated Optimization in Heterogeneous Networks" (FedProx),
@@ -68,7 +67,7 @@ def proximal(params: types.Tree, anchor: types.Tree, reduce: str = "sum") -> che
   checks.same_structure(params, anchor, "params", "anchor")
   reducer = jnp.sum if reduce == "sum" else jnp.mean
   terms = jax.tree.map(
-      lambda p, a: reducer(jnp.square(p.astype(jnp.float32) - a.astype(jnp.float32))),
+      lambda p, a: reducer(jnp.square(_wide(p) - _wide(a))),
       params, anchor)
   return 0.5 * sum(jax.tree.leaves(terms), jnp.zeros((), jnp.float32))
 
@@ -91,14 +90,14 @@ def cross_entropy(logits: chex.Array, labels: chex.Array,
       valid example the loss is 0.
 
   Returns:
-    A float32 scalar.
+    A float32 scalar (float64 for float64 logits).
   """
   if np.ndim(logits) != 2:
     raise ValueError(f"logits must have shape (N, K), got {np.shape(logits)}.")
   n = np.shape(logits)[0]
   checks.shape(labels, "labels", (n,), "(N,)")
   valid = _valid(mask, n)
-  logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+  logp = jax.nn.log_softmax(_wide(logits))
   nll = -jnp.take_along_axis(logp, labels[:, None].astype(jnp.int32), axis=1)[:, 0]
   return jnp.sum(jnp.where(valid, nll, 0.0)) / jnp.maximum(jnp.sum(valid), 1)
 
@@ -124,7 +123,8 @@ def supcon(features: chex.Array, labels: chex.Array,
       contrasted.
 
   Returns:
-    A float32 scalar (0 if no anchor has a positive).
+    A float32 scalar (float64 for float64 features; 0 if no anchor has a
+    positive).
 
   Notes:
     [settled: authors' code] FedClassAvg applies it to unnormalised features
@@ -141,7 +141,7 @@ def supcon(features: chex.Array, labels: chex.Array,
   checks.in_range(temperature, "temperature", 0.0, None, low_open=True)
   checks.in_range(base_temperature, "base_temperature", 0.0, None, low_open=True)
   valid = _valid(mask, n)
-  z = features.astype(jnp.float32)
+  z = _wide(features)
   logits = jnp.matmul(z, z.T, precision=jax.lax.Precision.HIGHEST) / temperature
   others = valid[:, None] & valid[None, :] & ~jnp.eye(n, dtype=bool)
   shift = jnp.max(jnp.where(others, logits, -jnp.inf), axis=1, keepdims=True)

@@ -17,7 +17,7 @@ Parameters are plain pytrees: algorithms hold ``model.apply`` and parameters,
 never module objects.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import chex
 import flax.linen as nn
@@ -348,6 +348,56 @@ def heterogeneous_family(
           padding="SAME"),
       MLP(num_classes, hidden=(256, d)),
   )
+
+
+def mlp_family(
+    num_classes: int, representation_dim: int = 512
+) -> tuple[nn.Module, ...]:
+  """Four fully connected networks of different depths and widths, one ``output``.
+
+  The CPU-sized counterpart of :func:`heterogeneous_family`: like it, every
+  member ends in ``classifier/hidden_*`` of width ``D = representation_dim``
+  and a shared ``classifier/output`` of shape ``(D, K)``, and nothing else
+  matches across members. Members (hidden widths, the last is ``D``):
+
+  * narrow: 128, D;
+  * wide: 1024, D;
+  * deep: 256, 256, D;
+  * deeper: 128, 256, 256, D.
+
+  Args:
+    num_classes: number of classes ``K``.
+    representation_dim: shared representation width ``D``.
+
+  Returns:
+    A tuple of four unbound :class:`MLP` models.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> x = jnp.zeros((1, 28, 28, 1))
+    >>> [len(jax.eval_shape(m.init, jax.random.key(0), x)['params']['classifier'])
+    ...  for m in mlp_family(10)]
+    [2, 2, 3, 4]
+
+  Notes:
+    On 2 CPU cores a FedClassAvg round of 20 clients with this family
+    compiles and runs in seconds, where the convolutional family takes
+    minutes (XLA-CPU's convolutions); it keeps the property FedClassAvg's
+    heterogeneous setting tests (only the classifier's output layer can be
+    shared), not the paper's architectures.
+  """
+  d = representation_dim
+  return (
+      MLP(num_classes, hidden=(128, d)),
+      MLP(num_classes, hidden=(1024, d)),
+      MLP(num_classes, hidden=(256, 256, d)),
+      MLP(num_classes, hidden=(128, 256, 256, d)),
+  )
+
+
+FAMILIES: dict[str, Callable[..., tuple[nn.Module, ...]]] = {
+    "cnn": heterogeneous_family, "mlp": mlp_family}
+"""Architecture families of heterogeneous clients, by name (`ExperimentConfig.family`)."""
 
 
 def feature_dim(model: nn.Module, input_shape: Sequence[int]) -> int:

@@ -17,6 +17,7 @@ import numpy as np
 
 from pflax._src import checks
 from pflax._src import fedavg as fedavg_lib
+from pflax._src import numerics
 from pflax._src import types
 from pflax._src import weights as weights_lib
 
@@ -30,10 +31,10 @@ def log2_update_norms(params: types.Stacked, reference: types.Tree) -> chex.Arra
   """float32 `(M,)`: `log2 ||w_i - reference||` over the whole tree (-inf for 0).
 
   Each client's differences are scaled by a power of two near their largest
-  magnitude before squaring (`weights.scale_exponent`), so norms near float32's
-  maximum (a 1e30 model) neither overflow nor lose the comparison. `reference`
-  is a tree without the client axis, or a stacked tree (each client's own start).
-  A non-finite client gives a non-finite value.
+  magnitude before squaring (`numerics.scale_exponent`), so norms near
+  float32's maximum (a 1e30 model) neither overflow nor lose the comparison.
+  `reference` is a tree without the client axis, or a stacked tree (each
+  client's own start). A non-finite client gives a non-finite value.
   """
   def diffs(x, r):
     r = jnp.asarray(r, jnp.float32)
@@ -42,8 +43,8 @@ def log2_update_norms(params: types.Stacked, reference: types.Tree) -> chex.Arra
 
   flat = jax.tree.leaves(jax.tree.map(diffs, params, reference))
   top = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(d), axis=1) for d in flat])
-  exponent = weights_lib.scale_exponent(top)
-  scale = weights_lib.power_of_two(-exponent, jnp.float32)[:, None]
+  exponent = numerics.scale_exponent(top)
+  scale = numerics.power_of_two(-exponent, jnp.float32)[:, None]
   total = sum(jnp.sum(jnp.square(d * scale), axis=1) for d in flat)
   return 0.5 * jnp.log2(total) + exponent.astype(jnp.float32)
 
@@ -110,7 +111,7 @@ def _capped(num_samples, max_share, mask, m):
     # their counts, rescaled among themselves (a 3e38 count, once capped, must
     # not flush the others' shares to zero).
     free = jnp.maximum(1.0 - cap * jnp.sum(capped), 0.0)
-    rest = weights_lib.normalize(jnp.where(capped, 0.0, n))
+    rest = numerics.normalize(jnp.where(capped, 0.0, n))
     return jnp.where(capped, cap, rest * free)
 
   capped = jax.lax.fori_loop(

@@ -94,6 +94,9 @@ class ExperimentConfig:
       "mlp".
     heterogeneous: clients use four architectures sharing the output layer
       (`pflax.algorithms.heterogeneous`).
+    family: the architectures of heterogeneous clients
+      (`pflax.models.FAMILIES`): "cnn" (`heterogeneous_family`: three CNNs
+      and an MLP) or "mlp" (`mlp_family`: four MLPs, CPU-sized).
     strategy: how clients are mapped in local training (`pflax.train`).
     local_epochs, batch_size: local training, shared by all algorithms.
     optimizer, lr, momentum, adam_b1, grad_clip: the clients' optimizer
@@ -126,6 +129,7 @@ class ExperimentConfig:
   eval_every: int = 1
   model: str = "auto"
   heterogeneous: bool = False
+  family: str = "cnn"
   strategy: str = "auto"
   local_epochs: int = 5
   batch_size: int = 10
@@ -349,6 +353,7 @@ class _Build:
   num_classes: int
   num_clients: int
   heterogeneous: bool
+  family: str
   optimizer: tuple[tuple[str, Any], ...]
   hyperparameters: tuple[tuple[str, Any], ...]
   swept: str | None
@@ -365,7 +370,7 @@ class _Build:
   def __call__(self, value: Any) -> groups_lib.Groups:
     build = functools.partial(self.algorithm, value=value)
     if self.heterogeneous:
-      wrapped = groups_lib.heterogeneous(build, models.heterogeneous_family(
+      wrapped = groups_lib.heterogeneous(build, models.FAMILIES[self.family](
           self.num_classes))
       return groups_lib.as_groups(wrapped, self.model, self.num_clients)
     return groups_lib.as_groups(build(self.model), self.model, self.num_clients)
@@ -407,7 +412,8 @@ def _plan(algorithm: str | Builder, config: ExperimentConfig, setup: Setup,
   builder, optimizer, keywords = _builder_arguments(algorithm, config)
   pflax_model = parts_lib.is_pflax_model(setup.model)
   build = _Build(builder, setup.model, setup.num_classes, num_clients,
-                 config.heterogeneous, tuple(sorted(optimizer.items())),
+                 config.heterogeneous, config.family,
+                 tuple(sorted(optimizer.items())),
                  tuple(sorted(keywords.items())), swept, setup.parts)
   if config.heterogeneous and not pflax_model:
     raise ValueError("heterogeneous=True trains pflax's family of architectures; "
@@ -476,6 +482,11 @@ def check_config(config: ExperimentConfig) -> None:
           "fault_scale", "None or finite")
   require(not config.outlier_factor or config.outlier_factor > 1, "outlier_factor",
           "None, 0 or > 1")
+  require(config.family in models.FAMILIES, "family",
+          f"one of {tuple(models.FAMILIES)}")
+  require(config.heterogeneous or config.family == "cnn", "family",
+          '"cnn" (the default) unless heterogeneous=True: it names the '
+          "heterogeneous clients' architectures")
   require(config.rounds >= 1, "rounds", ">= 1")
   require(config.eval_every >= 1, "eval_every", ">= 1")
   require(config.local_epochs >= 1, "local_epochs", ">= 1")

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pflax._src import checks
+from pflax._src import numerics
 from pflax._src import types
-from pflax._src import weights as weights_lib
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 _GRAM_BLOCK_ENTRIES = 2 ** 18   # per block, over all clients (1 MiB of float32)
@@ -66,14 +66,9 @@ def broadcast(tree: types.Tree, num_clients: int) -> types.Stacked:
       lambda x: jnp.broadcast_to(x, (num_clients,) + jnp.shape(x)), tree)
 
 
-def accumulation_dtype(dtype: Any) -> jnp.dtype:
-  """float32, or `dtype` itself if it is a wider float."""
-  return jnp.promote_types(dtype, jnp.float32)
-
-
 def mix_leaf(weights: chex.Array, leaf: chex.Array) -> chex.Array:
   """`out[o] = sum_m weights[o, m] leaf[m]` for one leaf (no checks)."""
-  acc = accumulation_dtype(leaf.dtype)
+  acc = numerics.accumulation_dtype(leaf.dtype)
   flat = leaf.reshape(leaf.shape[0], -1).astype(acc)
   out = jnp.tensordot(weights.astype(acc), flat, 1, precision=_HIGHEST)
   return out.reshape((weights.shape[0],) + leaf.shape[1:]).astype(leaf.dtype)
@@ -89,7 +84,7 @@ def mix_factored_leaf(left: chex.Array, right: chex.Array,
   (o, r), m = left.shape, right.shape[1]
   n = int(np.prod(leaf.shape[1:], dtype=np.int64))
   if (r * m + o * r) * n < o * r * m + o * m * n:
-    inner = mix_leaf(right, leaf.astype(accumulation_dtype(leaf.dtype)))
+    inner = mix_leaf(right, leaf.astype(numerics.accumulation_dtype(leaf.dtype)))
     return mix_leaf(left, inner).astype(leaf.dtype)  # no rounding in between
   return mix_leaf(jnp.matmul(left, right, precision=_HIGHEST), leaf)
 
@@ -123,7 +118,7 @@ def mix(weights: chex.Array, stacked: types.Stacked) -> types.Stacked:
 
 @jax.jit
 def _weighted_mean(stacked: types.Stacked, weights: chex.Array) -> types.Tree:
-  row = weights_lib.normalize(weights, weights_lib.weight_dtype(stacked))[None]
+  row = numerics.normalize(weights, numerics.weight_dtype(stacked))[None]
   return jax.tree.map(lambda x: mix_leaf(row, x)[0], stacked)
 
 
@@ -179,9 +174,9 @@ def _add_leaf_gram(carry: tuple[chex.Array, chex.Array], x: chex.Array,
     if offset is not None:  # subtracted in `acc`: float16 differences can overflow
       d = d - jax.lax.dynamic_slice_in_dim(offset, start, width, 1).astype(acc)
     top = jax.lax.stop_gradient(jnp.max(jnp.abs(d), axis=1))
-    new = jnp.maximum(e, weights_lib.scale_exponent(top))
-    shrink = weights_lib.power_of_two(e - new, acc)
-    d = d * weights_lib.power_of_two(-new, acc)[:, None]
+    new = jnp.maximum(e, numerics.scale_exponent(top))
+    shrink = numerics.power_of_two(e - new, acc)
+    d = d * numerics.power_of_two(-new, acc)[:, None]
     dd = jax.lax.dot_general(d, d, (((1,), (1,)), ((), ())), precision=_HIGHEST)
     return g * shrink[:, None] * shrink[None, :] + dd, new
 
@@ -210,10 +205,11 @@ def scaled_gram(stacked: types.Stacked,
   """
   xs = jax.tree.leaves(stacked)
   offsets = [None] * len(xs) if offset is None else jax.tree.leaves(offset)
-  acc = accumulation_dtype(jnp.result_type(*xs, *[o for o in offsets if o is not None]))
+  acc = numerics.accumulation_dtype(
+      jnp.result_type(*xs, *[o for o in offsets if o is not None]))
   m = xs[0].shape[0]
   carry = (jnp.zeros((m, m), acc),
-           weights_lib.scale_exponent(jnp.zeros((m,), acc)))  # the lowest exponent
+           numerics.scale_exponent(jnp.zeros((m,), acc)))  # the lowest exponent
   for x, o in zip(xs, offsets):
     carry = _add_leaf_gram(carry, x, o)
   return carry

@@ -11,81 +11,11 @@ from collections.abc import Callable
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pflax._src import checks
+from pflax._src import numerics
 from pflax._src import types
-
-
-def _safe_divide(num: chex.Array, den: chex.Array) -> chex.Array:
-  """num / den where den > 0, else 0 (no NaN, finite gradients)."""
-  ok = den > 0
-  return jnp.where(ok, num / jnp.where(ok, den, 1.0), 0.0)
-
-
-def weight_dtype(params: types.Stacked) -> jnp.dtype:
-  """The dtype of weights for `params`: float32, or its leaves' dtype if wider.
-
-  float64 leaves (under `jax_enable_x64`) get float64 weights, so the weights
-  are as precise as the parameters they mix (docs/methods.md, common rules).
-  """
-  return jnp.promote_types(jnp.result_type(*jax.tree.leaves(params)), jnp.float32)
-
-
-def _bits(dtype: jnp.dtype) -> jnp.dtype:
-  """The integer type of a float32 or float64 dtype's bit pattern."""
-  return jnp.int32 if jnp.finfo(dtype).bits == 32 else jnp.int64
-
-
-def scale_exponent(top: chex.Array) -> chex.Array:
-  """int32 `e` with `2^(e-1) <= top < 2^e` (frexp's), clipped to `[-L, L]`.
-
-  For float32 or float64 `top >= 0`, read from its exponent bits.
-  `L = maxexp - 8` of the dtype (120 for float32), so `2^e` and `2^-e` are
-  normal numbers; `top` of 0 (or subnormal) gives `-L`, inf or NaN gives `L`.
-  """
-  info = jnp.finfo(top.dtype)
-  limit = info.maxexp - 8
-  bits = _bits(top.dtype)
-  field = jax.lax.shift_right_logical(jax.lax.bitcast_convert_type(top, bits),
-                                      jnp.asarray(info.nmant, bits))
-  exponent = (field & (2 * info.maxexp - 1)) - (info.maxexp - 2)
-  return jnp.clip(exponent, -limit, limit).astype(jnp.int32)
-
-
-def power_of_two(exponent: chex.Array, dtype: jnp.dtype) -> chex.Array:
-  """Exactly `2.0 ** exponent` (integer), built from its bits, in float32/64 `dtype`.
-
-  Clipped to `dtype`'s normal range. Multiplying by it never rounds, unlike a
-  division by a maximum, which XLA may turn into a product with a reciprocal
-  that flushes to zero near the dtype's maximum.
-  """
-  info = jnp.finfo(dtype)
-  bias = info.maxexp - 1
-  bits = _bits(dtype)
-  biased = jnp.clip(exponent.astype(bits) + bias, 1, 2 * bias)
-  return jax.lax.bitcast_convert_type(
-      jax.lax.shift_left(biased, jnp.asarray(info.nmant, bits)), dtype)
-
-
-def scale_down(x: chex.Array, axis: int | tuple[int, ...]) -> chex.Array:
-  """`x / 2^e` with `2^e` about the largest `|x|` along `axis` (exact scaling).
-
-  The scale is a constant for gradients: use it only where the result does
-  not depend on it (ratios, cosines).
-  """
-  top = jax.lax.stop_gradient(jnp.max(jnp.abs(x), axis=axis, keepdims=True))
-  return x * power_of_two(-scale_exponent(top), x.dtype)
-
-
-def normalize(x: chex.Array, dtype: jnp.dtype = jnp.float32) -> chex.Array:
-  """`x / sum(x)` over the last axis of non-negative `x`, computed in `dtype`.
-
-  Entries are first scaled by a power of two near their maximum (`scale_down`),
-  so a sum of counts near the dtype's maximum cannot overflow. A slice that
-  sums to 0 gives zeros, never NaN.
-  """
-  x = scale_down(jnp.asarray(x, dtype), axis=-1)
-  return _safe_divide(x, jnp.sum(x, axis=-1, keepdims=True))
 
 
 def client_weights(num_samples: chex.Array | None, num_clients: int,
@@ -94,15 +24,15 @@ def client_weights(num_samples: chex.Array | None, num_clients: int,
   """FedAvg weights `p_i = n_i / sum_l n_l` over unmasked clients (uniform if None).
 
   Masked-out clients get weight 0 and the rest are renormalised. Computed in
-  `dtype` (use `weight_dtype(params)`); counts are scaled by a power of two
-  near their maximum before summing, and a total of 0 (no unmasked client with
-  a positive count) gives all-zero weights, never NaN.
+  `dtype` (use `numerics.weight_dtype(params)`); counts are scaled by a power
+  of two near their maximum before summing, and a total of 0 (no unmasked
+  client with a positive count) gives all-zero weights, never NaN.
   """
   n = (jnp.ones((num_clients,), dtype) if num_samples is None
        else jnp.asarray(num_samples, dtype))
   if mask is not None:
     n = jnp.where(mask, n, 0.0)
-  return normalize(n, dtype)
+  return numerics.normalize(n, dtype)
 
 
 def row_distribution(class_dist: chex.Array,
@@ -113,9 +43,47 @@ def row_distribution(class_dist: chex.Array,
   Rows are scaled by a power of two near their maximum first, so counts near
   the dtype's maximum do not overflow. Needs K >= 1.
   """
-  p = normalize(class_dist, dtype)
+  p = numerics.normalize(class_dist, dtype)
   has_mass = jnp.sum(p, axis=-1, keepdims=True) > 0
   return jnp.where(has_mass, p, 1.0 / p.shape[-1])
+
+
+@jax.jit
+def _estimate_class_dist(kernel: chex.Array) -> chex.Array:
+  kernel = kernel.astype(numerics.accumulation_dtype(kernel.dtype))
+  norms = numerics.safe_norm(numerics.scale_down(kernel, axis=(-2, -1)), axis=-2)
+  return row_distribution(norms, norms.dtype)
+
+
+def estimate_class_dist(kernel: chex.Array) -> chex.Array:
+  """Class distribution estimated from an output-layer kernel (Eq. 4).
+
+  `p~_j = ||kernel[:, j]||_2 / sum_k ||kernel[:, k]||_2`: norms over the input
+  axis of a Flax `Dense` kernel `(..., F, K)`, bias excluded, norms not squared.
+  A kernel of all zeros gives the uniform `1/K`. Works stacked `(M, F, K)` or not.
+
+  Args:
+    kernel: `(..., F, K)` real floating-point kernel, K >= 1.
+
+  Returns:
+    `(..., K)` distributions, float32 (float64 for a float64 kernel).
+
+  Notes:
+    Each kernel is scaled by a power of two near its largest `|entry|` before
+    the norms (the ratios do not depend on it, and it is a constant for
+    gradients), so kernels of any magnitude give finite results; the gradient
+    stays finite at zero.
+
+  References:
+    cwFedAvg paper Eq. (4).
+  """
+  if np.ndim(kernel) < 2:
+    raise ValueError(f"kernel must have shape (..., F, K), got {np.shape(kernel)}.")
+  if np.shape(kernel)[-1] == 0:
+    raise ValueError(f"kernel must have shape (..., F, K) with K >= 1 classes, got "
+                     f"{np.shape(kernel)}.")
+  checks.float_leaves(kernel, "kernel")
+  return _estimate_class_dist(jnp.asarray(kernel))
 
 
 def keep_if_weightless(weights: chex.Array,
