@@ -6,7 +6,9 @@ Run them like pflax's own algorithms, from this directory:
   pflax-run --algorithms my_algorithms:ditto --sweep lam --values 0.01 0.1 1 --seeds 0 1
 
 or from Python with `pflax.simulate.run(fedper, config, seed)`; see
-custom_algorithm.ipynb for a walk-through.
+custom_algorithm.ipynb for a walk-through. pflax ships both as well
+(`pflax-run --algorithms fedper ditto`, `pflax.algorithms.personalization_layers`
+and `pflax.algorithms.ditto`): these are the one-page versions of the walk-through.
 """
 
 from typing import Any, NamedTuple

@@ -688,3 +688,25 @@ def clip_updates_ref(params, reference, max_norm) -> dict:
           (-1,) + (1,) * (np.ndim(x) - 1)) * (np.asarray(x, np.float64)
                                              - np.asarray(r, np.float64)[None]),
       params, reference)
+
+
+def model_contrastive_ref(z, z_glob, z_prev, temperature, mask=None):
+  """MOON's `l_con` (Eq. 3), a loop over the valid samples: `-log(e^(s_g / tau) /
+  (e^(s_g / tau) + e^(s_p / tau)))` with cosine similarities `s_g`, `s_p`."""
+  mask = np.ones(len(z), bool) if mask is None else np.asarray(mask, bool)
+  cos = lambda a, b: float(a @ b) / (np.linalg.norm(a) * np.linalg.norm(b))
+  terms = []
+  for a, g, p, valid in zip(*(np.asarray(v, np.float64) for v in (z, z_glob, z_prev)),
+                            mask):
+    if valid:
+      pos, neg = np.exp(cos(a, g) / temperature), np.exp(cos(a, p) / temperature)
+      terms.append(-np.log(pos / (pos + neg)))
+  return sum(terms) / max(len(terms), 1)
+
+
+def ala_ref(weights, local, global_model):
+  """FedALA's aggregated layer (Eq. 5): `local + (global - local) * W`."""
+  return jax.tree.map(
+      lambda w, l, g: np.asarray(l, np.float64)
+      + (np.asarray(g, np.float64) - np.asarray(l, np.float64)) * np.asarray(w),
+      weights, local, global_model)

@@ -47,7 +47,15 @@ KWARGS = {"fedprox": {"mu": 0.3}, "cwfedavg": {"wdr_coef": 2.0},
                           "supcon_base_temperature": 0.5},
           "fedsa": FEDSA_KWARGS,
           "feddwa": {"alpha": 0.3, "lam": 0.7, "temperature": 0.5},
-          "fedrema": {"temperature": 0.7}}
+          "fedrema": {"temperature": 0.7},
+          "fedper": {"personal": algorithms.OUTPUT_LAYER}, "ditto": {"lam": 0.3},
+          "fedrep": {"head_steps": 2}, "apfl": {"alpha": 0.3},
+          "moon": {"mu": 0.7, "temperature": 0.8},
+          "fedala": {"eta": 0.6, "ala_steps": 2}}
+PAIRS = ("feddwa", "ditto", "fedbabu", "apfl")        # clients training a pair {"w", "v"}
+# Clients training one part, then the other (`phases.two_phases`): FedRep's head
+# (the output layer) then body, FedALA's weights then model.
+PHASED = ("fedrep", "fedala")
 KEY = prng.key(0)
 
 
@@ -148,10 +156,27 @@ def _fedrema_upload(trained):
 
 
 def _upload(name, trained):
-  """The stacked upload of each algorithm: FedDWA trains a pair `(w, v)`."""
-  if name == "feddwa":
+  """The stacked upload of each algorithm: the `PAIRS` train a pair `(w, v)`."""
+  if name in PAIRS:
     return {"w": trained, "v": jax.tree.map(lambda x: 0.5 * x, trained)}
+  if name == "fedala":
+    return {"weights": _ala_weights(8), "delta": jax.tree.map(lambda x: 0.5 * x, trained)}
   return _fedrema_upload(trained) if name == "fedrema" else trained
+
+
+def _ala_weights(seed):
+  """Stacked FedALA weights in [0, 1] of the output layer, the ALA layer by default."""
+  out = _split_output(INIT)[0]
+  rng = np.random.default_rng(seed)
+  return {"classifier": {"output": jax.tree.map(
+      lambda x: jnp.asarray(rng.uniform(size=x.shape), jnp.float32), out)}}
+
+
+def _ala_models(pair, local, global_model):
+  """FedALA's trained models `ALA(W) + delta` (Eqs. 4-5), in NumPy."""
+  out = ref.ala_ref(pair["weights"]["classifier"]["output"],
+                    _split_output(local)[0], _split_output(global_model)[0])
+  return jax.tree.map(np.add, _with_output(_np(global_model), out), _np(pair["delta"]))
 
 
 # ----------------------------------------------------- NumPy model and losses
@@ -215,7 +240,7 @@ def _expected(name, init, trained, num_samples, mask):
   up = _rows(_np(trained), on)
   if name == "local":
     return {"personalized": _where(mask, trained, init)}
-  if name in ("fedavg", "fedprox", "fedsa"):
+  if name in ("fedavg", "fedprox", "fedsa", "moon"):
     if name == "fedsa":
       mean = ref.fedsa_ref(up, n[on], **FEDSA_KWARGS)
     else:
@@ -239,6 +264,33 @@ def _expected(name, init, trained, num_samples, mask):
                            KWARGS["feddwa"]["temperature"])
     exclusive = jax.tree.map(lambda e, x: _set_rows(e, on, x), exclusive, mixed)
     return {"personalized": _where(mask, trained["v"], init), "exclusive": exclusive}
+  if name in ("fedper", "fedrep"):   # personal / head: the output layer
+    base = _broadcast(ref.fedavg_ref(_split_output(up)[1], n[on]), m)
+    return {"personalized": _with_output(base, _split_output(_where(mask, trained,
+                                                                    init))[0])}
+  if name == "ditto":
+    return {"personalized": _where(mask, trained["v"], init),
+            "global": _broadcast(ref.fedavg_ref(up["w"], n[on]), m)}
+  if name in ("fedavg_ft", "fedbabu"):
+    if name == "fedavg_ft":
+      tuned, mean = trained, ref.fedavg_ref(up, n[on])
+    else:   # the body averaged under the initial head
+      head = _split_output(_rows(_np(init), 0))[0]
+      tuned, mean = trained["v"], _with_output(ref.fedavg_ref(up["w"], n[on]), head)
+    # Clients that never trained are evaluated on the global model.
+    return {"personalized": _where(mask, tuned, _broadcast(mean, m)),
+            "global": _broadcast(mean, m)}
+  if name == "apfl":
+    alpha = KWARGS["apfl"]["alpha"]
+    mean = _broadcast(ref.fedavg_ref(up["w"], n[on]), m)
+    personal = _where(mask, trained["v"], init)
+    return {"personalized": jax.tree.map(lambda v, w: alpha * v + (1 - alpha) * w,
+                                         personal, mean),
+            "global": mean}
+  if name == "fedala":
+    models = _ala_models(trained, init, _broadcast(_rows(_np(init), 0), m))
+    return {"personalized": _where(mask, models, init),
+            "global": _broadcast(ref.fedavg_ref(_rows(models, on), n[on]), m)}
   assert name == "fedrema"
   mixed, *_ = ref.fedrema_ref(up, n[on], _fedrema_soft(up), np.zeros((len(on),) * 2),
                               0.0, True, 0.5)
@@ -269,8 +321,26 @@ def _expected_loss(name, q, client):
   """Client `client`'s local objective at parameters `q`, from `init(INIT)` (FedDWA:
   after one full server step, so that its exclusive and personal models differ)."""
   received = _rows(INIT, 0)    # the global model every client receives at init
-  if name in ("local", "fedavg", "fedsa", "fedrema"):
+  if name in ("local", "fedavg", "fedsa", "fedrema", "fedper", "fedavg_ft", "fedrep"):
     return _ce(q)
+  if name == "fedbabu":
+    return _ce(q["w"]) + _ce(q["v"])
+  if name == "ditto":
+    return (_ce(q["w"]) + _ce(q["v"])
+            + KWARGS["ditto"]["lam"] * ref.proximal_ref(q["v"], received))
+  if name == "apfl":
+    alpha = KWARGS["apfl"]["alpha"]
+    mixed = jax.tree.map(lambda v, w: alpha * v + (1 - alpha) * w, _np(q["v"]),
+                         _np(q["w"]))
+    return _ce(q["w"]) + _ce(mixed)
+  if name == "moon":    # the global model and the client's previous one: INIT's rows
+    z, z_glob, z_prev = (_np_forward(p, BATCH.x)[0]
+                         for p in (q, received, _rows(INIT, client)))
+    con = ref.model_contrastive_ref(z, z_glob, z_prev, KWARGS["moon"]["temperature"],
+                                    np.asarray(BATCH.mask))
+    return _ce(q) + KWARGS["moon"]["mu"] * con
+  if name == "fedala":  # the local model and the global one: INIT's rows
+    return _ce(_ala_models(q, _rows(INIT, client), received))
   if name == "fedprox":
     return _ce(q) + KWARGS["fedprox"]["mu"] * ref.proximal_ref(q, received)
   if name == "cwfedavg":
@@ -299,8 +369,10 @@ def test_local_loss_value_by_hand(name):
     _, state = _server_step(name, _upload(name, TRAINED), np.ones(M, bool))
   context = algorithm.client_context(state)
   point = _random_params(np.random.default_rng(4), M)   # away from every anchor
-  if name == "feddwa":
+  if name in PAIRS:
     point = {"w": point, "v": _random_params(np.random.default_rng(5), M)}
+  if name == "fedala":
+    point = {"weights": _ala_weights(5), "delta": point}
   for client in range(M):
     q = _rows(point, client)
     if name == "fedclassavg":   # SupCon's representation is taken before the ReLU
@@ -309,6 +381,52 @@ def test_local_loss_value_by_hand(name):
                          BATCH, prng.key(client))
     np.testing.assert_allclose(got, _expected_loss(name, q, client), rtol=2e-5,
                                atol=1e-5)
+
+
+def test_apfl_gradients_reach_v_only_through_the_mixture():
+  """Algorithm 1: `w` descends `CE(w)` alone, `v` descends `CE(v-bar)` with
+  `v-bar = alpha v + (1 - alpha) w`, whose gradient in `v` is alpha times the
+  mixture's."""
+  algorithm = _algorithm("apfl")
+  alpha = KWARGS["apfl"]["alpha"]
+  pair = {"w": _rows(_random_params(np.random.default_rng(4), M), 0),
+          "v": _rows(_random_params(np.random.default_rng(5), M), 0)}
+  grads = jax.grad(algorithm.loss)(pair, None, BATCH, KEY)
+  ce = algorithms.cross_entropy_loss(MODEL)
+  mixed = jax.tree.map(lambda v, w: alpha * v + (1 - alpha) * w, pair["v"], pair["w"])
+  ref.assert_tree_close(grads["w"], jax.grad(ce)(pair["w"], None, BATCH, KEY),
+                        rtol=1e-5, atol=1e-6)
+  ref.assert_tree_close(grads["v"], jax.tree.map(
+      lambda g: alpha * g, jax.grad(ce)(mixed, None, BATCH, KEY)), rtol=1e-5, atol=1e-6)
+
+
+def test_apfl_adaptive_alpha_descends_its_gradient_within_0_and_1():
+  """`adapt_alpha`: `alpha_i`'s gradient is `<v - w, grad CE(v-bar)>`, its SGD step
+  is projected on [0, 1], and the server keeps the participants' new `alpha_i`."""
+  algorithm = algorithms.adaptive_personalization(
+      MODEL, simulate.client_optimizer("sgd", LR, MOMENTUM), alpha=0.3,
+      adapt_alpha=True, alpha_lr=0.7)
+  w, v = (_rows(_random_params(np.random.default_rng(seed), M), 0) for seed in (4, 5))
+  trained = {"w": w, "v": v, "alpha": jnp.float32(0.3)}
+  grads = jax.grad(algorithm.loss)(trained, None, BATCH, KEY)
+  ce = algorithms.cross_entropy_loss(MODEL)
+  g_mixed = jax.grad(ce)(jax.tree.map(lambda a, b: 0.3 * a + 0.7 * b, v, w), None,
+                         BATCH, KEY)
+  expected = sum(np.sum((np.asarray(a, np.float64) - np.asarray(b, np.float64)) * g)
+                 for a, b, g in zip(*(jax.tree.leaves(t) for t in (v, w, g_mixed))))
+  np.testing.assert_allclose(grads["alpha"], expected, rtol=1e-4, atol=1e-6)
+  for grad, want in ((10.0, -0.3), (-10.0, 0.7), (0.1, -0.07)):   # clip(0.3 - 0.7 g)
+    updates, _ = algorithm.optimizer.update({**grads, "alpha": jnp.float32(grad)},
+                                            algorithm.optimizer.init(trained), trained)
+    np.testing.assert_allclose(updates["alpha"], want, rtol=1e-5, atol=1e-6)
+  state = _init(algorithm)
+  np.testing.assert_array_equal(state.alpha, np.float32(0.3))
+  upload = {**_upload("apfl", TRAINED), "alpha": jnp.array([0.1, 0.2, 0.9, 1.0])}
+  start = algorithm.client_models(state)
+  mask = np.arange(M) != ABSENT
+  state = algorithm.server_update(state, _choose(mask, upload, start), jnp.asarray(mask),
+                                  KEY)
+  np.testing.assert_allclose(state.alpha, [0.1, 0.3, 0.9, 1.0])
 
 
 @pytest.mark.parametrize("rho", [0.0, 0.8])
@@ -416,22 +534,70 @@ def _momentum_ref(grads, lr, momentum):
 @pytest.mark.parametrize("name", NAMES)
 def test_optimizer_two_steps_by_hand(name):
   """FedClassAvg: its own Adam(lr, betas (0.5, 0.999)); the others: the shared SGD
-  base (lr, momentum)."""
+  base (lr, momentum). The `PHASED` train only their first part in these steps:
+  FedRep's head with the SGD base, FedALA's weights with SGD at step eta,
+  projected on [0, 1]."""
   algorithm = _algorithm(name)
   grads = [np.array([0.5, -2.0, 1e-3]), np.array([-1.0, 0.25, 3.0])]
-  as_params = lambda x: ({"w": {"a": x}, "v": {"a": x}} if name == "feddwa"
-                         else {"a": x})
+  if name in PHASED:
+    as_params = lambda x: _phased_params(name, x, x)
+  else:
+    as_params = lambda x: ({"w": {"a": x}, "v": {"a": x}} if name in PAIRS
+                           else {"a": x})
   params = as_params(jnp.zeros(3))
   opt_state = algorithm.optimizer.init(params)
   if name == "fedclassavg":
     expected = _adam_ref(grads, ADAM_LR, ADAM_B1)
+  elif name == "fedala":   # from W = 0: clip(0 - eta g, 0, 1)
+    expected = [np.clip(-KWARGS["fedala"]["eta"] * g, 0.0, 1.0) for g in grads]
   else:
     expected = _momentum_ref(grads, LR, MOMENTUM)
   for g, want in zip(grads, expected):
     updates, opt_state = algorithm.optimizer.update(
         as_params(jnp.asarray(g, jnp.float32)), opt_state, params)
+    if name in PHASED:
+      updates, frozen = _phase_parts(name, updates)
+      np.testing.assert_array_equal(frozen, 0.0)
     for leaf in jax.tree.leaves(updates):
       np.testing.assert_allclose(leaf, want, rtol=1e-5, atol=1e-7)
+
+
+def _phased_params(name, first, second):
+  """A tree of the `PHASED` method `name` with leaves `first` (trained first) and
+  `second`."""
+  if name == "fedrep":
+    return {"classifier": {"output": {"a": first}}, "features": {"a": second}}
+  return {"weights": {"a": first}, "delta": {"a": second}}
+
+
+def _phase_parts(name, tree):
+  """`(first, second)` leaves of a `_phased_params` tree."""
+  if name == "fedrep":
+    return tree["classifier"]["output"]["a"], tree["features"]["a"]
+  return tree["weights"]["a"], tree["delta"]["a"]
+
+
+@pytest.mark.parametrize("name", PHASED)
+def test_two_phases_switch_to_the_second_part_with_a_fresh_state(name):
+  """After its first steps (2, `KWARGS`) the first part is frozen (zero updates) and
+  the second part trains with its own optimizer state, untouched so far: the SGD
+  base's momentum restarts at the third step's gradient."""
+  algorithm = _algorithm(name)
+  grads = [np.array([0.5, -2.0, 1e-3]), np.array([-1.0, 0.25, 3.0]),
+           np.array([2.0, 1.0, -0.5]), np.array([0.1, -0.3, 0.7])]
+  params = _phased_params(name, jnp.full(3, 0.5), jnp.zeros(3))
+  opt_state = algorithm.optimizer.init(params)
+  second = _momentum_ref(grads[2:], LR, MOMENTUM)
+  for t, g in enumerate(grads):
+    g = jnp.asarray(g, jnp.float32)
+    updates, opt_state = algorithm.optimizer.update(_phased_params(name, g, g),
+                                                    opt_state, params)
+    first_update, second_update = _phase_parts(name, updates)
+    if t < 2:
+      np.testing.assert_array_equal(second_update, 0.0)
+    else:
+      np.testing.assert_array_equal(first_update, 0.0)
+      np.testing.assert_allclose(second_update, second[t - 2], rtol=1e-5, atol=1e-7)
 
 
 def _scaled_to_norm(tree, norm):
@@ -459,6 +625,39 @@ def test_grad_clip_of_a_single_model_uses_its_global_norm():
   updates, _ = optimizer.update(grads, optimizer.init(model), model)
   ref.assert_tree_close(updates, jax.tree.map(lambda g: -g / 4.0, grads), rtol=1e-5,
                         atol=1e-6)
+
+
+def test_fedbabu_freezes_the_head_of_w_and_clips_its_body_alone():
+  """FedBABU's `w` never moves its head (Algorithm 1), `v` (the fine-tuned copy)
+  trains whole; `--grad-clip c` clips `w`'s body and `v` each to norm c."""
+  optimizer = _algorithm("fedbabu", grad_clip=1.0, lr=1.0, momentum=0.0).optimizer
+  model = _rows(INIT, 0)
+  head, body = _split_output(_rows(TRAINED, 1))
+  grads = {"w": _with_output(_scaled_to_norm(body, 10.0),
+                             jax.tree.map(lambda x: 100.0 * x, head)),
+           "v": _scaled_to_norm(_rows(TRAINED, 2), 0.5)}
+  pair = {"w": model, "v": model}
+  updates, _ = optimizer.update(grads, optimizer.init(pair), pair)
+  body_updates = jax.tree.map(lambda g: -g / 10.0, _split_output(grads["w"])[1])
+  expected = {"w": _with_output(body_updates, jax.tree.map(jnp.zeros_like, head)),
+              "v": jax.tree.map(lambda g: -g, grads["v"])}
+  ref.assert_tree_close(updates, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_fedper_personalizes_the_classifier_by_default():
+  """Without `personal`, FedPer's personalization layers are pflax's classifier
+  (every Dense layer after the features); a selector of no layer or of every layer
+  is refused."""
+  optimizer = simulate.client_optimizer("sgd", LR, MOMENTUM)
+  fedper = algorithms.personalization_layers(MODEL, optimizer)
+  state = fedper.server_update(_init(fedper), TRAINED, jnp.ones(M, bool), KEY)
+  up = _np(TRAINED)
+  features = _broadcast(ref.fedavg_ref(up["features"], N.astype(np.float64)), M)
+  _assert_evaluated(fedper, state, {"personalized": {"features": features,
+                                                     "classifier": up["classifier"]}})
+  for personal in (lambda path, leaf: False, lambda path, leaf: True):
+    with pytest.raises(ValueError, match="personal selects"):
+      _init(algorithms.personalization_layers(MODEL, optimizer, personal=personal))
 
 
 # -------------------------------------------------------------- server steps
@@ -524,6 +723,14 @@ def test_server_step_ignores_absent_clients(name):
   mask = np.arange(M) != ABSENT
   algorithm, state = _server_step(name, _absent_upload(name, upload), mask)
   _assert_evaluated(algorithm, state, _expected(name, INIT, upload, N, mask))
+
+
+def test_moon_keeps_each_participant_model_as_its_previous_one():
+  """`z_prev` comes from the client's model after its latest local training: the
+  participants' uploads; the absent client keeps its earlier one."""
+  mask = np.arange(M) != ABSENT
+  _, state = _server_step("moon", _absent_upload("moon", TRAINED), mask)
+  ref.assert_tree_close(state.previous, _where(mask, TRAINED, INIT), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("name", NAMES)

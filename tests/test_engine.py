@@ -106,7 +106,7 @@ def test_import_pflax_reaches_every_namespace():
                        check=True, cwd=REPO)
   names, functions = out.stdout.strip().splitlines()
   assert names == str(["aggregate", "algorithms", "data", "losses", "models",
-                       "simulate", "train", "tree"])
+                       "simulate", "train", "tree", "tune"])
   assert functions == "sweep federated_averaging"
 
 

@@ -48,7 +48,10 @@ def test_every_algorithm_runs_and_reports(setup, name):
   # features; FedDWA's exclusive models are no global model (issue 11, 7 and 16).
   kinds = {"personalized"} | {"fedavg": {"global"}, "fedprox": {"global"},
                               "fedsa": {"global"}, "fedclassavg": {"global"},
-                              "feddwa": {"exclusive"}}.get(name, set())
+                              "feddwa": {"exclusive"}, "ditto": {"global"},
+                              "fedavg_ft": {"global"},
+                              "fedbabu": {"global"}, "apfl": {"global"},
+                              "moon": {"global"}, "fedala": {"global"}}.get(name, set())
   for kind in EVALUATED:
     summary = record[f"{kind}_accuracy"]
     assert (summary is not None) == (kind in kinds)

@@ -17,7 +17,6 @@ holds its state in a NamedTuple of its own. One round of the engine
 `warmup` phase trains every client once before round 1 (FedClassAvg).
 """
 
-import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -26,6 +25,7 @@ import flax.linen as nn
 import jax
 import optax
 
+from pflax._src import checks
 from pflax._src import losses
 from pflax._src import train
 from pflax._src import types
@@ -101,21 +101,8 @@ def cross_entropy_loss(model: nn.Module) -> train.LossFn:
   return loss
 
 
-def check_range(name: str, value: Any, low: float | None = None,
-                high: float | None = None, *, open_low: bool = False) -> None:
-  """Raises ValueError unless a concrete `value` is finite and in `[low, high]`.
-
-  Traced values (a swept hyperparameter) are not checked here: a sweep checks
-  every value concretely before tracing.
-  """
-  if isinstance(value, jax.core.Tracer):
-    return
-  v = float(value)
-  below = low is not None and (v <= low if open_low else v < low)
-  if not math.isfinite(v) or below or (high is not None and v > high):
-    left = "(" if open_low else "["
-    raise ValueError(f"{name} must be a finite number in {left}{low}, "
-                     f"{high if high is not None else 'inf'}], got {value}.")
+check_range = checks.check_range
+"""`pflax._src.checks.check_range`: the range check of builders' hyperparameters."""
 
 
 def per_model(optimizer: optax.GradientTransformation,

@@ -29,6 +29,14 @@ from pflax._src import tree as tree_lib
 from pflax._src import types
 from pflax._src import weights as weights_lib
 from pflax._src.data import augment as augment_lib
+from pflax._src.methods import apfl as apfl_lib
+from pflax._src.methods import ditto as ditto_lib
+from pflax._src.methods import fedala as fedala_lib
+from pflax._src.methods import fedavg_ft as fedavg_ft_lib
+from pflax._src.methods import fedbabu as fedbabu_lib
+from pflax._src.methods import fedper as fedper_lib
+from pflax._src.methods import fedrep as fedrep_lib
+from pflax._src.methods import moon as moon_lib
 
 OUTPUT_LAYER = parts_lib.PFLAX_OUTPUT
 """The output layer (kernel and bias) of pflax's models."""
@@ -570,5 +578,18 @@ BUILDERS: dict[str, Callable[..., alg.Algorithm]] = {
     "fedsa": parameter_skew_averaging,
     "feddwa": dynamic_weight_averaging,
     "fedrema": relevant_client_matching,
+    "fedper": fedper_lib.personalization_layers,
+    "ditto": ditto_lib.ditto,
+    "fedavg_ft": fedavg_ft_lib.fine_tuned_averaging,
+    "fedbabu": fedbabu_lib.body_aggregation,
+    "fedrep": fedrep_lib.representation_sharing,
+    "apfl": apfl_lib.adaptive_personalization,
+    "moon": moon_lib.model_contrastive,
+    "fedala": fedala_lib.adaptive_local_aggregation,
 }
 """The builders of `pflax-run`'s algorithms by command-line name."""
+
+DEFAULT_ALGORITHMS = ("local", "fedavg", "fedprox", "cwfedavg", "fedclassavg", "fedsa",
+                      "feddwa", "fedrema")
+"""What `pflax-run` runs without `--algorithms`: the five papers' methods and the
+baselines they share (Local, FedAvg, FedProx); the other baselines on request."""

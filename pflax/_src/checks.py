@@ -6,6 +6,7 @@ hyperparameters) run only when the value is concrete; inside a user's `jit` or a
 vmapped sweep they are skipped, never silently coerced.
 """
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -181,21 +182,25 @@ def some_weight(num_samples: Any, mask: Any, name: str = "num_samples") -> None:
                      f"positive count.")
 
 
-def in_range(x: Any, name: str, low: float | None = None, high: float | None = None,
-             *, low_open: bool = False) -> None:
-  """Checks a concrete scalar hyperparameter lies in [low, high] (or (low, high])."""
-  if np.ndim(x) != 0:
-    raise ValueError(f"{name} must be a scalar, got shape {np.shape(x)}.")
-  if not is_concrete(x):
+def check_range(name: str, value: Any, low: float | None = None,
+                high: float | None = None, *, open_low: bool = False) -> None:
+  """Raises ValueError unless a concrete scalar `value` is finite and in
+  `[low, high]` (`(low, high]` with `open_low`); `None` bounds are open.
+
+  The one range check of pflax's hyperparameters (aggregators and builders).
+  Traced values (a swept or differentiated hyperparameter) are not checked: a
+  sweep checks every value concretely before tracing.
+  """
+  if np.ndim(value) != 0:
+    raise ValueError(f"{name} must be a scalar, got shape {np.shape(value)}.")
+  if not is_concrete(value):
     return
-  value = float(x)
-  too_low = low is not None and (value <= low if low_open else value < low)
-  too_high = high is not None and value > high
-  if too_low or too_high or np.isnan(value):
-    lo = "-inf" if low is None else low
-    hi = "inf" if high is None else high
-    bracket = "(" if low_open else "["
-    raise ValueError(f"{name} must be in {bracket}{lo}, {hi}], got {value}.")
+  v = float(value)
+  below = low is not None and (v <= low if open_low else v < low)
+  if not math.isfinite(v) or below or (high is not None and v > high):
+    left = "(" if open_low else "["
+    raise ValueError(f"{name} must be a finite number in {left}{low}, "
+                     f"{high if high is not None else 'inf'}], got {value}.")
 
 
 def integer_at_least(x: Any, name: str, low: int) -> None:

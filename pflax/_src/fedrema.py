@@ -59,7 +59,7 @@ def soft_logits(logits: chex.Array, temperature: chex.Numeric = 0.5) -> chex.Arr
   """
   if np.ndim(logits) != 2:
     raise ValueError(f"logits must have shape (M, C), got {np.shape(logits)}.")
-  checks.in_range(temperature, "temperature", 0.0, None, low_open=True)
+  checks.check_range("temperature", temperature, 0.0, None, open_low=True)
   return _soft_logits(logits, temperature)
 
 
@@ -316,6 +316,6 @@ def fedrema(params: types.Stacked, num_samples: chex.Array | None,
   checks.some_weight(num_samples, mask)
   _check_soft(soft, m, mask)
   _check_state(state, m)
-  checks.in_range(delta, "delta", 0.0, 1.0)
+  checks.check_range("delta", delta, 0.0, 1.0)
   flags = tuple(tree_lib.required_selection(params, where))
   return _fedrema(params, num_samples, soft, state, mask, delta, flags=flags)

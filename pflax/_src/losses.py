@@ -138,8 +138,8 @@ def supcon(features: chex.Array, labels: chex.Array,
     raise ValueError(f"features must have shape (N, D), got {np.shape(features)}.")
   n = np.shape(features)[0]
   checks.shape(labels, "labels", (n,), "(N,)")
-  checks.in_range(temperature, "temperature", 0.0, None, low_open=True)
-  checks.in_range(base_temperature, "base_temperature", 0.0, None, low_open=True)
+  checks.check_range("temperature", temperature, 0.0, None, open_low=True)
+  checks.check_range("base_temperature", base_temperature, 0.0, None, open_low=True)
   valid = _valid(mask, n)
   z = _wide(features)
   logits = jnp.matmul(z, z.T, precision=jax.lax.Precision.HIGHEST) / temperature

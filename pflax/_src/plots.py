@@ -22,16 +22,20 @@ if TYPE_CHECKING:
   from matplotlib.axes import Axes
   from matplotlib.figure import Figure
 
+# Matplotlib's tab10, then darker tones of tab20b/tab20c: 20 distinct colours.
 _PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b",
-            "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
-_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
+            "#e377c2", "#7f7f7f", "#bcbd22", "#17becf", "#393b79", "#637939",
+            "#8c6d31", "#843c39", "#7b4173", "#3182bd", "#e6550d", "#31a354",
+            "#756bb1", "#636363")
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "p", "h", "d", "8",
+            "H", "x", "+", "1", "2", "3")
 _LINESTYLES = ("-", "--", ":", "-.")
 
 Runs = records.Results | records.RunRecord | Iterable[records.RunRecord]
 
 
 def _style_index(algorithm: str, size: int) -> int:
-  """pflax's eight in the order of `pflax.algorithms.BUILDERS`, any other name by
+  """pflax's own in the order of `pflax.algorithms.BUILDERS`, any other name by
   a hash of it."""
   names = tuple(builders.BUILDERS)
   index = names.index(algorithm) if algorithm in names else zlib.crc32(algorithm.encode())
@@ -39,7 +43,7 @@ def _style_index(algorithm: str, size: int) -> int:
 
 
 def algorithm_color(algorithm: str) -> str:
-  """An algorithm's colour, the same in every plot: pflax's eight in the order of
+  """An algorithm's colour, the same in every plot: pflax's own in the order of
   `pflax.algorithms.BUILDERS`, any other name by a hash of it."""
   return _PALETTE[_style_index(algorithm, len(_PALETTE))]
 

@@ -136,11 +136,14 @@ def train_client(loss_fn: LossFn, optimizer: optax.GradientTransformation,
                  params: types.Tree, opt_state: Any, context: Any,
                  x: chex.Array, y: chex.Array, valid: chex.Array,
                  key: chex.PRNGKey, *, epochs: int, batch_size: int,
-                 unroll: int | bool | None = None) -> ClientResult:
+                 unroll: int | bool | None = None, remat: bool = False) -> ClientResult:
   """Trains one client for `epochs` local epochs (unstacked inputs).
 
   Returns the trained parameters and optimizer state, and the mean training loss
-  over the client's real steps. `unroll` is as in `make_trainer`.
+  over the client's real steps. `unroll` is as in `make_trainer`; `remat`
+  wraps each local step in `jax.checkpoint`, so reverse-mode differentiation
+  through the training (`pflax.tune`) keeps each step's parameters and optimizer
+  state, not its activations (same results).
   """
   order_key, step_key = jax.random.split(key)
   index, real = batch_schedule(order_key, valid, epochs, batch_size)
@@ -161,7 +164,7 @@ def train_client(loss_fn: LossFn, optimizer: optax.GradientTransformation,
   first_batch = Batch(x[index[0]], y[index[0]], real[0])
   convolutional = lambda: _has_convolution(grad_fn, params, context, first_batch, keys[0])
   (params, opt_state), (losses, active) = jax.lax.scan(
-      step, (params, opt_state), (index, real, keys),
+      jax.checkpoint(step) if remat else step, (params, opt_state), (index, real, keys),
       unroll=_scan_unroll(unroll, index.shape[0], convolutional))
   mean_loss = jnp.sum(losses) / jnp.maximum(jnp.sum(active), 1)
   return ClientResult(params, opt_state, mean_loss)

@@ -1,0 +1,1 @@
+"""One file per method: its state, its builder."""
