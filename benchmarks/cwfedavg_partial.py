@@ -9,7 +9,6 @@ Writes `benchmarks/results/cwfedavg_partial.md`:
 """
 
 import argparse
-import dataclasses
 import os
 import platform
 import time

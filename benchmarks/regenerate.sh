@@ -19,6 +19,7 @@ if [[ "${1:-}" == "--quick" ]]; then
   python benchmarks/cwfedavg_partial.py --rounds 2 --out /tmp/cwfedavg_partial_quick.md
   python benchmarks/robust.py --rounds 2 --seeds 0
   python benchmarks/flower_traffic.py --quick
+  python benchmarks/tune.py --quick --out /tmp/tune_quick.json
   exit 0
 fi
 python benchmarks/aggregators.py | tee "$results/aggregators.md"
@@ -35,3 +36,4 @@ python benchmarks/cwfedavg_partial.py             # cwfedavg_partial.md (about 5
 python benchmarks/fedclassavg_ablation.py --model mlp --train 4000 --test 2000 --rounds 40  # fedclassavg_fmnist.md
 python benchmarks/robust.py                       # robust.md
 python benchmarks/flower_traffic.py --out "$results/flower_traffic.md"
+python benchmarks/tune.py                         # tune.json, tune.png, the table of tune.md (about 30 min)

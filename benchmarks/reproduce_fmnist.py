@@ -54,6 +54,8 @@ CPU: dict[str, tuple[dict[str, Any], tuple[int, ...]]] = {
         dict(model="mlp", samples_per_client=300, rounds=30), (0, 1)),
     "fedclassavg-fmnist-dirichlet-100-clients": (
         dict(model="mlp", samples_per_client=300, rounds=50), (0, 1)),
+    **{name: (dict(model="mlp", samples_per_client=300, rounds=50), (0,))
+       for name in PRESETS if name.startswith("pfllib-")},
     **{name: (_HETEROGENEOUS_CPU, (0, 1)) for name in PRESETS
        if presets.get(name).config.get("heterogeneous")},
 }
@@ -75,6 +77,9 @@ def _parser() -> argparse.ArgumentParser:
                  metavar="NAME")
   p.add_argument("--seeds", type=int, nargs="+", default=None,
                  help="override every preset's seeds")
+  p.add_argument("--algorithms", nargs="+", default=None, metavar="NAME",
+                 help="run only these of each preset's algorithms, keeping the "
+                      "others' saved runs")
   p.add_argument("--replot", action="store_true",
                  help="only rewrite the table and plot from the JSON files in --out")
   p.add_argument("--out", default=None,
@@ -192,6 +197,21 @@ def markdown(saved: dict[str, dict[str, Any] | None], size: str) -> str:
   return "\n".join(lines + [""])
 
 
+def _merged(path: str, new: dict[str, Any], order: tuple[str, ...]
+            ) -> dict[str, Any]:
+  """The saved record at `path` with the runs of `new`'s algorithms replaced by
+  `new`'s, in the preset's algorithm order; wall times add up."""
+  with open(path) as f:
+    old = json.load(f)
+  ran = set(new["config"]["algorithms"])
+  runs = [r for r in old["runs"] if r["algorithm"] not in ran] + new["runs"]
+  runs.sort(key=lambda r: (order.index(r["algorithm"]), r["seed"]))
+  config = dict(new["config"], algorithms=[a for a in order
+                                           if any(r["algorithm"] == a for r in runs)])
+  return {**new, "config": config, "runs": runs,
+          "seconds": old["seconds"] + new["seconds"]}
+
+
 def _stem(size: str) -> str:
   return "reproduction_fmnist" + ("_paper" if size == "paper" else "")
 
@@ -210,11 +230,17 @@ def main(argv: list[str] | None = None) -> int:
   for name in [] if args.replot else args.presets:
     config, seeds = setting(name, args.size, args.quick)
     seeds = args.seeds or list(seeds)
-    results, seconds = run_sweeps(name, config, list(presets.get(name).algorithms),
-                                  seeds)
-    with open(os.path.join(folder, f"{name}.json"), "w") as f:
-      json.dump({**results.to_json(), "seconds": seconds, "device": _device()}, f,
-                indent=1)
+    chosen = [a for a in presets.get(name).algorithms
+              if args.algorithms is None or a in args.algorithms]
+    if not chosen:
+      continue
+    results, seconds = run_sweeps(name, config, chosen, seeds)
+    path = os.path.join(folder, f"{name}.json")
+    record = {**results.to_json(), "seconds": seconds, "device": _device()}
+    if args.algorithms is not None and os.path.exists(path):
+      record = _merged(path, record, presets.get(name).algorithms)
+    with open(path, "w") as f:
+      json.dump(record, f, indent=1)
   saved = {}
   for name in PRESETS:
     path = os.path.join(folder, f"{name}.json")

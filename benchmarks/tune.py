@@ -259,7 +259,7 @@ def main() -> None:
                       choices=list(DATASETS))
   parser.add_argument("--settings", nargs="+", default=list(SETTINGS),
                       choices=list(SETTINGS))
-  parser.add_argument("--steps", type=int, default=8)
+  parser.add_argument("--steps", type=int, default=10)
   parser.add_argument("--learning-rate", type=float, default=0.3,
                       help="Adam's step in the unconstrained coordinates")
   parser.add_argument("--clients", type=int, default=10)

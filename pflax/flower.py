@@ -63,5 +63,7 @@ __all__ = (
     "to_record",
     "unpack",
     "write_app",
+    "write_certificates",
+    "write_node_key",
     "write_run_config",
 )

@@ -481,7 +481,8 @@ def test_optimizer_state_is_fresh_each_round_except_fedrema(name, chosen):
   previous = _dirty(_opt_state(algorithm, state))
   participants = None if chosen is None else jnp.asarray(chosen)
   inputs = engine._client_inputs(algorithm, algorithm.client_models(state), previous,
-                                 algorithm.client_context(state), FED, participants, KEY)
+                                 algorithm.client_context(state), FED, participants,
+                                 functools.partial(engine.client_keys, KEY))
   got = jax.tree.leaves(inputs.opt_state)
   assert got, "the optimizer must have a state here (momentum or Adam)"
   if name == "fedrema":
@@ -505,8 +506,8 @@ def test_fedrema_stores_participants_momentum_and_keeps_the_others():
   inputs = engine._Inputs(None, (chosen,), jnp.asarray(np.arange(M) != ABSENT),
                           jnp.zeros(M, bool), KEY)
   groups = groups_lib.one_group(algorithm, MODEL, M)
-  _, _, (opt_state,), losses = engine._trained(groups, (state, (previous,)), inputs,
-                                               (result,))
+  _, _, (opt_state,), losses = engine._trained(groups, engine.Carry(state, (previous,)),
+                                               inputs, (result,))
   for a, b in zip(jax.tree.leaves(opt_state), jax.tree.leaves(previous)):
     np.testing.assert_array_equal(a[ABSENT], b[ABSENT])
     np.testing.assert_array_equal(a[np.asarray(chosen)], 7)
@@ -674,8 +675,8 @@ def _round_outputs(name):
   groups = _groups(name)
 
   def step(carry, inputs, result):
-    (state, (opt,)), metrics = engine._round_outputs(groups, (carry[0], (carry[1],)),
-                                                     inputs, (result,))
+    (state, (opt,)), metrics = engine._round_outputs(
+        groups, engine.Carry(carry[0], (carry[1],)), inputs, (result,))
     return (state, opt), metrics
   return step
 
@@ -686,7 +687,7 @@ def _round_inputs(name, participation, num_clients, carry, fed, t):
   plan = engine.Plan(build=lambda value: groups, num_clients=num_clients,
                      participation=participation, fault_fraction=0.0, local_epochs=1,
                      batch_size=2, strategy="vmap")
-  return engine._round_inputs(plan, groups, (carry[0], (carry[1],)), (fed,),
+  return engine._round_inputs(plan, groups, engine.Carry(carry[0], (carry[1],)), (fed,),
                               jnp.int32(0), jnp.int32(t))
 
 
@@ -742,11 +743,11 @@ def test_server_step_falls_back_to_the_previous_state_on_non_finite_upload(name)
   poisoned = jax.tree.map(lambda x: x.at[ABSENT].set(jnp.nan), upload)
   algorithm = _algorithm(name)
   state = _init(algorithm)
-  opt = _opt_state(algorithm, state)
   # The engine's server step: the unhealthy upload is dropped first.
-  kept, _ = engine.drop_unhealthy(algorithm.client_models(state), poisoned, opt, opt,
-                                  jnp.asarray(mask))
-  state = _server_update(name)(state, kept, jnp.asarray(mask), KEY)
+  state, healthy = engine.server_step(_groups(name), state,
+                                      (algorithm.client_models(state),), (poisoned,),
+                                      jnp.asarray(mask), KEY, outlier_factor=None)
+  np.testing.assert_array_equal(healthy, mask)
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(state))
   _assert_evaluated(algorithm, state, _expected(name, INIT, upload, N, mask))
 

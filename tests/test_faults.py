@@ -158,7 +158,8 @@ def test_non_finite_upload_equals_absence_and_an_empty_round_keeps_the_state(set
     inputs = engine._Inputs(None, (None,), took_part, jnp.zeros_like(took_part), KEY)
     result = train.ClientResult(rows, opt_rows, jnp.ones(CONFIG.clients))
     step = jax.jit(lambda *args: engine._round_outputs(groups, *args))
-    (new, (opts,)), metrics = step((state, (opt_state,)), inputs, (result,))
+    carry = engine.Carry(state, (opt_state,))
+    (new, (opts,)), metrics = step(carry, inputs, (result,))
     return new, opts, np.asarray(metrics.took_part), np.asarray(metrics.healthy)
 
   # Client BAD trains but uploads NaN, against a round it did not take part in.

@@ -77,13 +77,25 @@ PAPER = {
     # feddwa.txt lines 305-316 (Table 1), 217-228 (Table A1: 20% before 100%).
     "feddwa-cifar10-dirichlet": {"feddwa": 86.97, "fedavg": 53.44},
     "feddwa-cifar10-pathological": {"feddwa": 85.2, "fedavg": 39.53},
-    "feddwa-fmnist-pathological": {"feddwa": 98.75, "fedavg": 75.28},
-    "feddwa-fmnist-pathological-100-clients": {"feddwa": 98.39, "fedavg": 75.44},
+    "feddwa-fmnist-pathological": {"feddwa": 98.75, "fedavg": 75.28,
+                                   "fedavg_ft": 98.64, "ditto": 98.24, "fedala": 98.68},
+    "feddwa-fmnist-pathological-100-clients": {"feddwa": 98.39, "fedavg": 75.44,
+                                               "fedavg_ft": 98.06, "ditto": 98.06,
+                                               "fedala": 98.12},
+    # PFLlib's leaderboard (README, Fashion-MNIST), as issue 24 quotes it.
+    "pfllib-fmnist-pathological": {"fedavg": 80.41, "fedprox": 78.08, "fedper": 99.47,
+                                   "ditto": 99.44, "fedrep": 99.56, "fedbabu": 99.41,
+                                   "apfl": 99.41, "fedala": 99.57},
+    "pfllib-fmnist-dirichlet": {"fedavg": 85.85, "fedprox": 85.63, "fedper": 97.44,
+                                "ditto": 97.47, "fedrep": 97.56, "fedbabu": 97.46,
+                                "apfl": 97.25, "fedala": 97.66},
     # fedrema.txt lines 234-245 (Table 1).
     "fedrema-cifar10-groups": {"fedrema": 65.4, "fedavg": 61.9, "fedprox": 61.6,
-                               "local": 58.9},
+                               "local": 58.9, "moon": 61.9, "fedper": 59.5,
+                               "fedbabu": 53.6},
     "fedrema-fmnist-groups": {"fedrema": 88.2, "fedavg": 86.1, "fedprox": 84.8,
-                              "local": 86.0},
+                              "local": 86.0, "moon": 86.0, "fedper": 86.1,
+                              "fedbabu": 83.1},
 }
 
 
@@ -109,7 +121,8 @@ def test_fedrema_fmnist_from_the_paper(capsys, tmp_path):
   assert (rema["rounds"], rema["local_epochs"], rema["batch_size"]) == (500, 5, 100)
   assert rema["optimizers"]["fedrema"]["lr"] == 0.01
   assert rema["hyperparameters"]["fedprox"]["mu"] == 1.0
-  assert rema["algorithms"] == ["fedrema", "fedavg", "fedprox", "local"]
+  assert rema["algorithms"] == ["fedrema", "fedavg", "fedprox", "local", "moon",
+                                "fedper", "fedbabu"]
   cifar = _resolved("fedrema-cifar10-groups", capsys, tmp_path)
   same = lambda c: {k: v for k, v in c.items() if k not in ("dataset", "preset")}
   assert same(cifar) == same(rema)                  # Table 1: one setting
@@ -128,7 +141,7 @@ def test_feddwa_fmnist_from_the_paper(capsys, tmp_path):
         clients, participation, rounds)
     assert (dwa["local_epochs"], dwa["batch_size"], dwa["lr"]) == (5, 16, 0.01)
     assert dwa["hyperparameters"]["feddwa"]["alpha"] == 0.2
-    assert dwa["algorithms"] == ["feddwa", "fedavg"]
+    assert dwa["algorithms"] == ["feddwa", "fedavg", "fedavg_ft", "ditto", "fedala"]
 
 
 @pytest.mark.parametrize("name,partition,heterogeneous,clients,participation", [
@@ -211,3 +224,18 @@ def test_a_preset_runs_on_digits(tmp_path):
                    "--out", str(tmp_path)]) == 0
   results = simulate.Results.load(str(tmp_path / "results.json"))
   assert [r.algorithm for r in results.runs] == ["feddwa", "fedavg"]
+
+
+@pytest.mark.parametrize("name,partition", [("pfllib-fmnist-pathological", "pathological"),
+                                            ("pfllib-fmnist-dirichlet", "dirichlet")])
+def test_pfllib_fmnist_leaderboard_settings(name, partition, capsys, tmp_path):
+  # PFLlib: 20 clients, 75/25, batch 10, 1 epoch, SGD lr 0.005, 2000 rounds.
+  config = _resolved(name, capsys, tmp_path)
+  assert (config["dataset"], config["partition"], config["clients"]) == (
+      "fashion_mnist", partition, 20)
+  assert (config["local_epochs"], config["batch_size"], config["lr"],
+          config["rounds"], config["test_fraction"]) == (1, 10, 0.005, 2000, 0.25)
+  assert config["classes_per_client"] == 2 or partition == "dirichlet"
+  assert config["dirichlet_alpha"] == 0.1 or partition == "pathological"
+  assert config["algorithms"] == ["fedavg", "fedprox", "fedper", "ditto", "fedrep",
+                                  "fedbabu", "apfl", "fedala"]

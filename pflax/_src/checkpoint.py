@@ -2,9 +2,11 @@
 
 A checkpoint is one msgpack file (`flax.serialization`): the round reached,
 the seconds spent, the runs' histories as JSON and the state of every run as
-arrays, restored into the structure of a freshly initialised state. Writes are
-atomic (a temporary file renamed over the old one). A restored checkpoint is
-checked against the experiment before any round runs (`check_restored`).
+arrays (the engine's `Carry`, stored as the pair `(state, opt_states)`, keys
+"0" and "1"), restored into the structure of a freshly initialised state.
+Writes are atomic (a temporary file renamed over the old one). A restored
+checkpoint is checked against the experiment before any round runs
+(`check_restored`).
 """
 
 import json
@@ -17,6 +19,7 @@ import jax
 import numpy as np
 from flax import serialization
 
+from pflax._src import engine
 from pflax._src import records
 
 
@@ -48,7 +51,7 @@ def _history_problem(histories: Sequence[Sequence[records.RoundRecord]],
   return None
 
 
-def _state_problem(carry: Any, template: Any) -> str | None:
+def _state_problem(carry: engine.Carry, template: engine.Carry) -> str | None:
   leaves = jax.tree.structure(template).flatten_up_to(carry)
   for (path, like), leaf in zip(jax.tree_util.tree_leaves_with_path(template), leaves):
     name, expected = jax.tree_util.keystr(path), (np.dtype(like.dtype), like.shape)
@@ -64,9 +67,9 @@ def _state_problem(carry: Any, template: Any) -> str | None:
   return None
 
 
-def check_restored(path: str, carry: Any, rounds_done: Any,
+def check_restored(path: str, carry: engine.Carry, rounds_done: Any,
                    histories: Sequence[Sequence[records.RoundRecord]], seconds: Any,
-                   template: Any, rounds: int) -> None:
+                   template: engine.Carry, rounds: int) -> None:
   """Raises ValueError, naming `path` and the first problem, unless a restored
   checkpoint fits its experiment.
 
@@ -91,6 +94,16 @@ def check_restored(path: str, carry: Any, rounds_done: Any,
     raise ValueError(f"checkpoint {path}: {problem}.")
 
 
+Restored = tuple[engine.Carry, int, list[list[records.RoundRecord]], float]
+"""A restored checkpoint: `(carry, rounds_done, histories, seconds)`."""
+
+
+def _as_pair(carry: engine.Carry) -> tuple[Any, Any]:
+  """The carry as the pair a checkpoint stores (flax would key the NamedTuple
+  by its field names, a tuple by "0" and "1")."""
+  return tuple(carry)
+
+
 class Checkpointer:
   """Saves a sweep every `every` rounds to `path`; restores it when resuming.
 
@@ -98,7 +111,7 @@ class Checkpointer:
     path: the checkpoint file.
     every: save after every this many rounds (0: never).
     resume: whether `restore` reads an existing checkpoint.
-    template: `template() -> carry`, a state of the sweep's structure (shapes
+    template: `template() -> Carry`, a state of the sweep's structure (shapes
       and dtypes suffice; every leaf with a leading run axis) to restore into.
     experiment: what defines the sweep (its configuration, algorithm, seeds
       and values) as JSON-able values: stored with the checkpoint, and a
@@ -107,7 +120,8 @@ class Checkpointer:
   """
 
   def __init__(self, path: str, every: int, resume: bool,
-               template: Callable[[], Any], experiment: dict[str, Any], rounds: int):
+               template: Callable[[], engine.Carry], experiment: dict[str, Any],
+               rounds: int):
     if every < 0:
       raise ValueError(f"checkpoint_every must be >= 0, got {every}.")
     self.path, self.every, self.resume, self.template = path, every, resume, template
@@ -117,19 +131,20 @@ class Checkpointer:
   def due(self, rounds_done: int) -> bool:
     return bool(self.every) and rounds_done % self.every == 0
 
-  def save(self, carry: Any, rounds_done: int,
+  def save(self, carry: engine.Carry, rounds_done: int,
            histories: Sequence[Sequence[records.RoundRecord]], seconds: float) -> None:
     payload = {"round": rounds_done, "seconds": seconds,
                "experiment": json.dumps(self.experiment),
                "history": json.dumps([[h.to_json() for h in hist] for hist in histories]),
-               "carry": serialization.to_state_dict(jax.tree.map(np.asarray, carry))}
+               "carry": serialization.to_state_dict(_as_pair(jax.tree.map(np.asarray,
+                                                                         carry)))}
     os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
     tmp = self.path + ".tmp"
     with open(tmp, "wb") as f:
       f.write(serialization.msgpack_serialize(payload))
     os.replace(tmp, self.path)
 
-  def restore(self) -> tuple[Any, int, list[list[records.RoundRecord]], float] | None:
+  def restore(self) -> Restored | None:
     """`(carry, rounds_done, histories, seconds)`, or None without a checkpoint.
 
     Raises:
@@ -152,7 +167,8 @@ class Checkpointer:
                        "configuration or remove the checkpoint.")
     template = self.template()
     try:
-      carry = serialization.from_state_dict(template, payload["carry"])
+      carry = engine.Carry(*serialization.from_state_dict(_as_pair(template),
+                                                          payload["carry"]))
       histories = [[records.RoundRecord.from_json(h) for h in hist]
                    for hist in json.loads(payload["history"])]
       rounds_done, seconds = payload["round"], payload["seconds"]

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from pflax._src import builders
+from pflax._src.methods import registry
 from pflax._src import presets
 from pflax._src import records
 from pflax._src import simulate
@@ -52,8 +52,8 @@ FIELD_HELP = {
     "eval_every": "evaluate every N rounds (and after the last)",
     "model": "auto: the CNN for images of 16+ pixels, the MLP for digits",
     "heterogeneous": "clients use four architectures sharing the output layer "
-                     "(algorithms that share a head: local, fedavg, cwfedavg, "
-                     "fedclassavg, fedsa)",
+                     "(algorithms that share a head: "
+                     f"{', '.join(simulate.HEAD_SHARING)})",
     "family": "the architectures of --heterogeneous clients: cnn (three CNNs and an "
               "MLP) or mlp (four MLPs, CPU-sized)",
     "strategy": "how clients are mapped in local training",
@@ -86,12 +86,13 @@ def _field_type(field: str) -> Any:
 
 def _parser() -> argparse.ArgumentParser:
   defaults = simulate.ExperimentConfig()
-  names = tuple(builders.BUILDERS)
+  names = tuple(registry.BUILDERS)
   p = argparse.ArgumentParser(
       prog="pflax-run", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
       description="Personalized federated learning experiments with pflax. With no "
                   "arguments: all eight algorithms on the offline digits dataset.")
-  p.add_argument("--algorithms", nargs="+", default=list(names), metavar="NAME",
+  p.add_argument("--algorithms", nargs="+", default=list(registry.DEFAULT_ALGORITHMS),
+                 metavar="NAME",
                  help=f"any of {' '.join(names)}, or your own builder as "
                       "module:function (importable from the current directory)")
   for field in CONFIG_FIELDS:
@@ -129,6 +130,19 @@ def _parser() -> argparse.ArgumentParser:
                       "algorithm's builder (e.g. wdr_coef for cwfedavg)")
   p.add_argument("--values", type=float, nargs="+", default=[],
                  help="the values of --sweep")
+  p.add_argument("--tune", nargs="+", default=None, metavar="KEY",
+                 help="instead of the runs, tune these float hyperparameters of "
+                      "each algorithm by gradient descent on a held-out validation "
+                      "loss (pflax.tune; e.g. lr wdr_coef for cwfedavg) and write "
+                      "tune_<algorithm>.json and .png")
+  p.add_argument("--tune-steps", type=int, default=10,
+                 help="--tune's gradient steps, each through --rounds rounds")
+  p.add_argument("--tune-lr", type=float, default=0.1,
+                 help="--tune's Adam learning rate in the unconstrained coordinates "
+                      "(log of a positive value, logit of a fraction)")
+  p.add_argument("--tune-validation", type=float, default=0.2,
+                 help="--tune's share of each client's training split held out for "
+                      "validation (per class)")
   p.add_argument("--devices", type=int, default=None,
                  help="split the clients over this many devices (a 'clients' mesh "
                       "axis; on CPU, force host devices with XLA_FLAGS="
@@ -290,7 +304,7 @@ def _loaded(path: str) -> dict[str, Any]:
 
 def _importing(name: Any) -> bool:
   """Whether running the algorithm `name` imports a module (`module:builder`)."""
-  return isinstance(name, str) and ":" in name and name not in builders.BUILDERS
+  return isinstance(name, str) and ":" in name and name not in registry.BUILDERS
 
 
 def _not_importing(saved: dict[str, Any], path: str, command_line: Sequence[str]
@@ -357,7 +371,7 @@ def config_from_args(args: argparse.Namespace, given: set[str]
     simulate.check_algorithm_keys(config, args.algorithms)
     for name in args.algorithms:
       simulate.check_algorithm(name, config)
-      if (config.heterogeneous and name in builders.BUILDERS
+      if (config.heterogeneous and name in registry.BUILDERS
           and name not in simulate.HEAD_SHARING):
         raise ValueError(f"--heterogeneous needs algorithms that share a head "
                          f"({', '.join(simulate.HEAD_SHARING)}), got {name!r}")
@@ -468,6 +482,37 @@ def _check_flower_flags(args: argparse.Namespace, config: simulate.ExperimentCon
       flower_deploy.check_memory(config.clients, flower_deploy.available_memory())
     except RuntimeError as e:
       raise _fail(str(e)) from None
+
+
+def _check_tune_flags(args: argparse.Namespace, config: simulate.ExperimentConfig
+                      ) -> None:
+  """One-line errors for what `--tune` does not run, and for keys an algorithm
+  cannot differentiate, before any work starts."""
+  for flag, used in (("--sweep", args.sweep), ("--flower", args.flower),
+                     ("--distributed", args.distributed), ("--devices", args.devices),
+                     ("--checkpoint-every", args.checkpoint_every),
+                     ("--resume", args.resume),
+                     ("--heterogeneous", config.heterogeneous)):
+    if used:
+      raise _fail(f"--tune cannot be combined with {flag}")
+  if config.strategy == "loop":
+    raise _fail("--tune needs --strategy vmap, map or auto: the threaded loop runs "
+                "clients outside JAX and cannot be differentiated")
+  if len(args.seeds) > 1:
+    seeds = " ".join(map(str, args.seeds))
+    raise _fail(f"--tune tunes with one seed, got --seeds {seeds}")
+  if args.tune_steps < 0:
+    raise _fail(f"--tune-steps must be >= 0, got {args.tune_steps}")
+  if not args.tune_lr > 0:
+    raise _fail(f"--tune-lr must be > 0, got {args.tune_lr}")
+  if not 0 < args.tune_validation < 1:
+    raise _fail(f"--tune-validation must be in (0, 1), got {args.tune_validation}")
+  from pflax._src import tune  # pylint: disable=import-outside-toplevel
+  for name in args.algorithms:
+    try:
+      tune.check_keys(name, args.tune)
+    except ValueError as e:
+      raise _fail(f"--tune: {e}") from None
 
 
 def _federation_env(args: argparse.Namespace) -> dict[str, str]:
@@ -582,6 +627,58 @@ def _sweep(name: str, config: simulate.ExperimentConfig, args: argparse.Namespac
   return out
 
 
+def _tune(config: simulate.ExperimentConfig, args: argparse.Namespace,
+          setup: simulate.Setup) -> list[Any]:
+  """`--tune`: each algorithm's keys tuned by gradient (`pflax.tune.tune`) from
+  their configured values, its path written as `tune_<algorithm>.json` and
+  `.png` in `--out`; the records."""
+  import optax  # pylint: disable=import-outside-toplevel
+  from pflax._src import tune  # pylint: disable=import-outside-toplevel
+  recorded = []
+  for name in args.algorithms:
+    try:
+      task = tune.make_task(name, config, args.tune, setup=setup,
+                            validation_fraction=args.tune_validation)
+    except ValueError as e:
+      raise _fail(f"--tune: {_flag_message(e)}") from None
+    bar = _progress(args.tune_steps + 1, f"{name} tune", not args.no_progress)
+
+    def on_step(point, bar=bar):
+      bar.set_postfix(val=f"{point.validation_loss:.3f}")
+      bar.update(1)
+
+    record = tune.tune(task, steps=args.tune_steps, seed=args.seeds[0],
+                       optimizer=optax.adam(args.tune_lr),
+                       optimizer_label=f"adam({args.tune_lr:g})", on_step=on_step)
+    bar.close()
+    stem = os.path.join(args.out, "tune_" + "".join(
+        c if c.isalnum() or c in "-_" else "_" for c in name))
+    record.save(stem + ".json")
+    record.plot(stem + ".png")
+    recorded.append(record)
+  print(_tune_table(recorded))
+  print(f"wrote tune_*.json and tune_*.png in {args.out}")
+  return recorded
+
+
+def _tune_table(records_: Sequence[Any]) -> str:
+  """A Markdown table of tuning records: start and best values, validation loss
+  and personalized test accuracy (%) at both."""
+  values = lambda p: ", ".join(f"{k}={v:.4g}" for k, v in p.values.items())
+  lines = ["| algorithm | start | best (step) | validation loss: start, best "
+           "| test accuracy: start, best |", "|---|---|---|---|---|"]
+  for record in records_:
+    start, best = record.path[0], record.best
+    lines.append(f"| {record.algorithm} | {values(start)} | {values(best)} "
+                 f"({best.step}) | {start.validation_loss:.4f}, "
+                 f"{best.validation_loss:.4f} | {100 * start.test_accuracy:.2f}, "
+                 f"{100 * best.test_accuracy:.2f} |")
+  lines.append(f"Tuned by gradient on each client's held-out validation samples; "
+               f"{records_[0].rounds} rounds per step, {records_[0].optimizer}; "
+               "best = lowest validation loss.")
+  return "\n".join(lines)
+
+
 def _use_compilation_cache(args: argparse.Namespace) -> None:
   """JAX's persistent compilation cache in the user's cache directory: a rerun of the
   same configuration skips compilation (`--no-compilation-cache`: off)."""
@@ -634,6 +731,8 @@ def _main(args: argparse.Namespace, given: set[str]) -> int:
   if args.print_config:
     print(json.dumps(_config_dict(config, args), indent=1))
     return 0
+  if args.tune:
+    _check_tune_flags(args, config)
   _check_run_flags(args)
   if args.flower:
     _check_flower_flags(args, config)
@@ -644,6 +743,9 @@ def _main(args: argparse.Namespace, given: set[str]) -> int:
                                process_id=args.process_id)
   _resume_notice(args)
   setups = _prepare(config, args)
+  if args.tune:
+    _tune(config, args, setups[args.seeds[0]])
+    return 0
   recorded = _config_dict(config, args)
   runs = []
   if args.flower:

@@ -6,14 +6,18 @@ seed and a federation. One round of one run is pure:
 1. participants (`participants`) and faulty clients (`faulty_clients`) from
    the round's keys (`round_keys`);
 2. each architecture group's participants train from their client models
-   (`pflax.train`), each client with the key `fold_in(fold_in(train_key, g), i)`;
+   (`pflax.train`), each client with its key (`group_training_keys`);
 3. the faulty clients' uploads are corrupted (`fault_kind`: NaN, or their
    updates scaled; or their class counts were inflated at init); clients that
    did not take part, uploaded non-finite values or an update norm far above
    the round's median (`healthy_clients`) are given back their starting model
-   and previous optimizer state (`drop_unhealthy`); the server step
-   aggregates; a round without any healthy client keeps the state
-   (`keep_if_nobody`).
+   and previous optimizer state; the server step (`server_step`) aggregates;
+   a round without any healthy client keeps the state (`keep_if_nobody`).
+
+A Flower federation (`pflax._src.protocol`) runs the same round in pieces with
+these functions: the key schedule (`round_keys`, `round_participants`,
+`group_training_keys`, `warmup_training_keys`) and the server steps
+(`server_step`, `warmup_step`).
 
 Several runs (seeds, values of a swept hyperparameter) are that round mapped
 over a leading run axis: with the client mapping "vmap" or "map" a round of all
@@ -27,12 +31,13 @@ the data as arguments, so runs of other seeds reuse it.
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from pflax._src import algorithm as alg
 from pflax._src import groups as groups_lib
@@ -63,6 +68,9 @@ FAULT_KINDS = ("nan", "scaled", "inflated_counts")
 DEFAULT_FAULT_SCALES = {"nan": 1.0, "scaled": 1e30, "inflated_counts": 10.0}
 """`fault_scale` of each kind when None."""
 
+PerGroup = tuple[types.Stacked, ...]
+"""One `(m_g, ...)` stacked tree per architecture group (its clients' models)."""
+
 
 def run_keys(seed: int | chex.Array) -> chex.Array:
   """The keys `(init, warm-up, rounds)` of a run, all derived from its seed."""
@@ -79,6 +87,18 @@ def client_keys(key: chex.PRNGKey, ids: chex.Array) -> chex.Array:
   return jax.vmap(jax.random.fold_in, (None, 0))(key, ids)
 
 
+def group_training_keys(train_key: chex.PRNGKey, g: int, ids: chex.Array) -> chex.Array:
+  """A round's training keys of the clients at positions `ids` of group `g`:
+  `fold_in(fold_in(train_key, g), i)`, whoever else takes part."""
+  return client_keys(jax.random.fold_in(train_key, g), ids)
+
+
+def warmup_training_keys(seed: int | chex.Array, ids: chex.Array) -> chex.Array:
+  """The warm-up's training keys of the clients at positions `ids` of any group:
+  `fold_in(warmup_key, i)` with the run's warm-up key (`run_keys`)."""
+  return client_keys(run_keys(seed)[1], ids)
+
+
 def num_participants(participation: float, num_clients: int) -> int:
   """`max(1, round(participation * M))` clients take part in a round."""
   return max(1, int(round(participation * num_clients)))
@@ -88,6 +108,12 @@ def participants(key: chex.PRNGKey, num_clients: int, participation: float) -> c
   """A fixed number (`num_participants`) of distinct clients, sorted."""
   count = num_participants(participation, num_clients)
   return jnp.sort(jax.random.permutation(key, num_clients)[:count])
+
+
+def round_participants(sample_key: chex.PRNGKey, num_clients: int,
+                       participation: float) -> chex.Array:
+  """A round's `participants`, drawn from `fold_in(sample_key, 0)` (`round_keys`)."""
+  return participants(jax.random.fold_in(sample_key, 0), num_clients, participation)
 
 
 def num_faulty(fraction: float, participants_: int) -> int:
@@ -109,7 +135,7 @@ def faulty_clients(key: chex.PRNGKey, took_part: chex.Array, count: int) -> chex
   return took_part & (rank < count)
 
 
-def upload_faults(trained: Any, faulty: chex.Array) -> Any:
+def upload_faults(trained: types.Stacked, faulty: chex.Array) -> types.Stacked:
   """The uploads with every entry of the faulty clients set to NaN."""
   def corrupt(x):
     return jnp.where(faulty.reshape((-1,) + (1,) * (x.ndim - 1)),
@@ -117,7 +143,8 @@ def upload_faults(trained: Any, faulty: chex.Array) -> Any:
   return jax.tree.map(corrupt, trained)
 
 
-def scale_updates(start: Any, trained: Any, faulty: chex.Array, scale: float) -> Any:
+def scale_updates(start: types.Stacked, trained: types.Stacked, faulty: chex.Array,
+                  scale: float) -> types.Stacked:
   """The uploads with the faulty clients' updates multiplied by `scale`:
   `start + scale (trained - start)`, computed in float32."""
   def corrupt(s, x):
@@ -185,21 +212,7 @@ def healthy_clients(took_part: chex.Array, finite: chex.Array, log2_norms: chex.
   return ok & ~update_outliers(log2_norms, ok, outlier_factor)
 
 
-def drop_unhealthy(start: Any, trained: Any, opt_before: Any, opt_after: Any,
-                   healthy: chex.Array) -> tuple[Any, Any]:
-  """`(trained, opt_state)` with the clients outside `healthy` treated as absent.
-
-  A client that uploaded non-finite values (or did not take part) is given
-  back the model it started the round from and its previous optimizer state,
-  so the server update never reads its upload and no stored state, whatever
-  the algorithm keeps, can become non-finite: the client is dropped from this
-  round only.
-  """
-  return (weights_lib.keep_masked(trained, start, healthy),
-          weights_lib.keep_masked(opt_after, opt_before, healthy))
-
-
-def keep_if_nobody(healthy: chex.Array, new: Any, old: Any) -> Any:
+def keep_if_nobody(healthy: chex.Array, new: alg.State, old: alg.State) -> alg.State:
   """`new`, or `old` unchanged when no client is healthy (an empty round).
 
   Aggregators given no weight return zeros (global models) under `jit`; a
@@ -228,7 +241,7 @@ class Plan:
     output: selector of the models' output layer (`pflax.models.Parts`), whose
       norms every evaluation reports.
   """
-  build: Callable[[Any], groups_lib.Groups]
+  build: Callable[[chex.Numeric | None], groups_lib.Groups]
   num_clients: int
   participation: float
   fault_fraction: float
@@ -247,6 +260,19 @@ class Plan:
             else self.fault_scale)
 
 
+class Carry(NamedTuple):
+  """What one run carries from a round to the next (a sweep's leaves add a
+  leading run axis). A checkpoint stores it as the pair `(state, opt_states)`.
+
+  Attributes:
+    state: the algorithm's state (`Groups.init`, `Groups.server_update`).
+    opt_states: each group's `(m_g, ...)` stacked optimizer states of its
+      clients, read where the group's algorithm keeps them (`keep_opt_state`).
+  """
+  state: alg.State
+  opt_states: tuple[optax.OptState, ...]
+
+
 class RoundMetrics(NamedTuple):
   """Per-client outcome of one round, `(M,)` each: mean local loss,
   participation, health (aggregated), injected faults."""
@@ -258,9 +284,9 @@ class RoundMetrics(NamedTuple):
 
 class ClientInputs(NamedTuple):
   """Arguments of a group's trainer for its training clients."""
-  start: Any
-  opt_state: Any
-  context: Any
+  start: types.Stacked
+  opt_state: optax.OptState
+  context: types.Stacked | None
   x: chex.Array
   y: chex.Array
   valid: chex.Array
@@ -276,12 +302,13 @@ class _Inputs(NamedTuple):
   server_key: chex.PRNGKey
 
 
-def _take(index: chex.Array | None, tree: Any) -> Any:
+def _take(index: chex.Array | None, tree: types.Stacked) -> types.Stacked:
   """Rows `index` of every leaf (all rows, ungathered, for None)."""
   return tree if index is None else jax.tree.map(lambda x: x[index], tree)
 
 
-def _put(index: chex.Array | None, full: Any, part: Any) -> Any:
+def _put(index: chex.Array | None, full: types.Stacked,
+         part: types.Stacked) -> types.Stacked:
   """`full` with rows `index` replaced by `part` (`part` itself for None)."""
   if index is None:
     return part
@@ -304,25 +331,26 @@ def _group_chosen(took_part: chex.Array, index: np.ndarray, count: int,
   return jnp.sort(rank)
 
 
-def _client_inputs(member: alg.Algorithm, start: Any, opt_state: Any, context: Any,
+def _client_inputs(member: alg.Algorithm, start: types.Stacked,
+                   opt_state: optax.OptState, context: types.Stacked | None,
                    fed: federation_lib.Federation, chosen: chex.Array | None,
-                   key: chex.PRNGKey) -> ClientInputs:
+                   keys: Callable[[chex.Array], chex.Array]) -> ClientInputs:
   """The training clients' starting models, optimizer states, data and keys.
 
-  Client i (position i of its group) trains with the key `fold_in(key, i)`,
-  whoever else takes part. The optimizer state is fresh unless the algorithm
-  keeps it.
+  `keys(ids)` are the training keys of the clients at positions `ids` of the
+  group (`group_training_keys`, `warmup_training_keys`). The optimizer state
+  is fresh unless the algorithm keeps it.
   """
   start = _take(chosen, start)
   opt_state = (_take(chosen, opt_state) if member.keep_opt_state
                else train_lib.init_opt_state(member.optimizer, start))
   x, y, valid = _take(chosen, (fed.x, fed.y, fed.valid))
   ids = jnp.arange(fed.x.shape[0]) if chosen is None else chosen
-  return ClientInputs(start, opt_state, _take(chosen, context), x, y, valid,
-                      client_keys(key, ids))
+  return ClientInputs(start, opt_state, _take(chosen, context), x, y, valid, keys(ids))
 
 
-def _to_clients(parts: tuple[Any, ...], groups: groups_lib.Groups, m: int) -> chex.Array:
+def _to_clients(parts: tuple[chex.Array, ...], groups: groups_lib.Groups,
+                m: int) -> chex.Array:
   """Per-group `(m_g,)` vectors as one `(M,)` vector in client order."""
   if len(parts) == 1:
     return parts[0]
@@ -332,15 +360,18 @@ def _to_clients(parts: tuple[Any, ...], groups: groups_lib.Groups, m: int) -> ch
   return out
 
 
-def _round_inputs(plan: Plan, groups: groups_lib.Groups, carry: Any,
+def _group_masks(groups: groups_lib.Groups, mask: chex.Array) -> tuple[chex.Array, ...]:
+  """Each group's `(m_g,)` rows of an `(M,)` mask."""
+  return tuple(mask[index] for index in groups.clients)
+
+
+def _round_inputs(plan: Plan, groups: groups_lib.Groups, carry: Carry,
                   feds: tuple[federation_lib.Federation, ...], seed: chex.Array,
                   t: chex.Array) -> _Inputs:
   """Round `t`'s participants, faulty clients and training inputs, for one run."""
-  state, opt_states = carry
   sample_key, train_key, server_key = round_keys(run_keys(seed)[2], t)
   m = sum(f.x.shape[0] for f in feds)
-  chosen = participants(jax.random.fold_in(sample_key, 0), plan.num_clients,
-                        plan.participation)
+  chosen = round_participants(sample_key, plan.num_clients, plan.participation)
   took_part = jnp.zeros(m, bool).at[chosen].set(True)
   count = num_faulty(plan.fault_fraction, chosen.shape[0])
   if plan.fault_kind == "inflated_counts":
@@ -353,28 +384,27 @@ def _round_inputs(plan: Plan, groups: groups_lib.Groups, carry: Any,
   everyone = chosen.shape[0] == plan.num_clients
   group_chosen = tuple(_group_chosen(took_part, index, chosen.shape[0], everyone)
                        for index in groups.clients)
-  starts = groups.client_models(state)
-  contexts = groups.client_context(state)
+  starts = groups.client_models(carry.state)
+  contexts = groups.client_context(carry.state)
   clients = tuple(
       _client_inputs(member, start, opt, context, fed, picked,
-                     jax.random.fold_in(train_key, g))
+                     functools.partial(group_training_keys, train_key, g))
       for g, (member, start, opt, context, fed, picked) in enumerate(zip(
-          groups.members, starts, opt_states, contexts, feds, group_chosen)))
+          groups.members, starts, carry.opt_states, contexts, feds, group_chosen)))
   return _Inputs(clients, group_chosen, took_part, faulty, server_key)
 
 
-def _trained(groups: groups_lib.Groups, carry: Any, inputs: _Inputs,
+def _trained(groups: groups_lib.Groups, carry: Carry, inputs: _Inputs,
              results: tuple[train_lib.ClientResult, ...]
-             ) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...], chex.Array]:
+             ) -> tuple[PerGroup, PerGroup, tuple[optax.OptState, ...], chex.Array]:
   """Results put back at their clients: `(starts, trained, opt_states, losses)`.
 
   Clients that did not train keep their starting models, optimizer states and
   a loss of 0.
   """
-  state, opt_states = carry
-  starts = groups.client_models(state)
+  starts = groups.client_models(carry.state)
   trained, opts, losses = [], [], []
-  for member, start, opt, chosen, result in zip(groups.members, starts, opt_states,
+  for member, start, opt, chosen, result in zip(groups.members, starts, carry.opt_states,
                                                 inputs.chosen, results):
     trained.append(_put(chosen, start, result.params))
     opts.append(_put(chosen, opt, result.opt_state) if member.keep_opt_state else opt)
@@ -384,9 +414,8 @@ def _trained(groups: groups_lib.Groups, carry: Any, inputs: _Inputs,
   return starts, tuple(trained), tuple(opts), _to_clients(tuple(losses), groups, m)
 
 
-def _health(groups: groups_lib.Groups, took_part: chex.Array,
-            starts: tuple[Any, ...], uploads: tuple[Any, ...],
-            outlier_factor: float | None) -> chex.Array:
+def _health(groups: groups_lib.Groups, took_part: chex.Array, starts: PerGroup,
+            uploads: PerGroup, outlier_factor: float | None) -> chex.Array:
   """`healthy_clients` of all groups' uploads, `(M,)` in client order."""
   m = took_part.shape[0]
   finite = _to_clients(tuple(tree_lib.finite_clients(u) for u in uploads), groups, m)
@@ -397,68 +426,120 @@ def _health(groups: groups_lib.Groups, took_part: chex.Array,
   return healthy_clients(took_part, finite, norms, outlier_factor)
 
 
-def _round_outputs(groups: groups_lib.Groups, carry: Any, inputs: _Inputs,
+def _healthy_uploads(groups: groups_lib.Groups, took_part: chex.Array, starts: PerGroup,
+                     uploads: PerGroup, outlier_factor: float | None
+                     ) -> tuple[chex.Array, PerGroup, tuple[chex.Array, ...]]:
+  """`(healthy, uploads, masks)`: the clients' health (`_health`), the uploads
+  with the unhealthy clients given back their starting models (so no update
+  reads them) and each group's rows of `healthy`."""
+  healthy = _health(groups, took_part, starts, uploads, outlier_factor)
+  masks = _group_masks(groups, healthy)
+  kept = tuple(weights_lib.keep_masked(u, s, mask)
+               for u, s, mask in zip(uploads, starts, masks))
+  return healthy, kept, masks
+
+
+def server_step(groups: groups_lib.Groups, state: alg.State, starts: PerGroup,
+                uploads: PerGroup, took_part: chex.Array, key: chex.PRNGKey,
+                outlier_factor: float | None = OUTLIER_FACTOR
+                ) -> tuple[alg.State, chex.Array]:
+  """A round's aggregation of the uploads: `(state, healthy)`, healthy `(M,)`.
+
+  The participants whose upload is unhealthy (`healthy_clients`) count as
+  absent: the server update never reads their upload. A round without any
+  healthy client keeps `state` (`keep_if_nobody`). The engine (after its fault
+  injection) and a Flower server (`pflax._src.protocol.server_step`) both
+  take this step.
+
+  Args:
+    groups: the algorithm.
+    state: its state before the round.
+    starts: per group, the clients' `(m_g, ...)` models at the round's start.
+    uploads: per group, the clients' `(m_g, ...)` uploads (a client without
+      one: its start).
+    took_part: bool `(M,)`, the participants.
+    key: the round's server key (`round_keys`).
+    outlier_factor: the health rule's factor (`update_outliers`); None disables.
+  """
+  healthy, kept, masks = _healthy_uploads(groups, took_part, starts, uploads,
+                                          outlier_factor)
+  new = groups.server_update(state, kept, masks, key)
+  return keep_if_nobody(healthy, new, state), healthy
+
+
+def warmup_step(groups: groups_lib.Groups, state: alg.State, starts: PerGroup,
+                uploads: PerGroup, outlier_factor: float | None = OUTLIER_FACTOR
+                ) -> alg.State:
+  """The warm-up update (`Groups.warmup`) on every client's upload, the
+  unhealthy ones dropped as in `server_step`."""
+  m = sum(tree_lib.num_clients(u) for u in uploads)
+  _, kept, masks = _healthy_uploads(groups, jnp.ones(m, bool), starts, uploads,
+                                    outlier_factor)
+  return groups.warmup.update(state, kept, masks)
+
+
+def _with_faults(groups: groups_lib.Groups, starts: PerGroup, uploads: PerGroup,
+                 faulty: chex.Array, fault_kind: str, fault_scale: float) -> PerGroup:
+  """The uploads with the faulty clients' corrupted ("nan", "scaled"; the
+  other kinds corrupt no upload)."""
+  if fault_kind == "nan":
+    return tuple(upload_faults(u, faulty[index])
+                 for index, u in zip(groups.clients, uploads))
+  if fault_kind == "scaled":
+    return tuple(scale_updates(s, u, faulty[index], fault_scale)
+                 for index, s, u in zip(groups.clients, starts, uploads))
+  return uploads
+
+
+def _round_outputs(groups: groups_lib.Groups, carry: Carry, inputs: _Inputs,
                    results: tuple[train_lib.ClientResult, ...], *,
                    outlier_factor: float | None = OUTLIER_FACTOR,
                    fault_kind: str = "nan", fault_scale: float = 1.0
-                   ) -> tuple[Any, RoundMetrics]:
-  """The server step of one run after local training: new carry and metrics."""
-  state, opt_before = carry
+                   ) -> tuple[Carry, RoundMetrics]:
+  """The server step of one run after local training: new carry and metrics.
+
+  A client dropped by the `server_step` is given back its previous optimizer
+  state too, so that no stored state, whatever the algorithm keeps, can become
+  non-finite: it is dropped from this round only.
+  """
   starts, trained, opt_after, losses = _trained(groups, carry, inputs, results)
-  if fault_kind == "nan":
-    trained = tuple(upload_faults(u, inputs.faulty[index])
-                    for index, u in zip(groups.clients, trained))
-  elif fault_kind == "scaled":
-    trained = tuple(scale_updates(s, u, inputs.faulty[index], fault_scale)
-                    for index, s, u in zip(groups.clients, starts, trained))
-  healthy = _health(groups, inputs.took_part, starts, trained, outlier_factor)
-  kept, opts, masks = [], [], []
-  for index, start, upload, before, after in zip(groups.clients, starts, trained,
-                                                 opt_before, opt_after):
-    mask = healthy[index]
-    upload, opt = drop_unhealthy(start, upload, before, after, mask)
-    kept.append(upload)
-    opts.append(opt)
-    masks.append(mask)
+  trained = _with_faults(groups, starts, trained, inputs.faulty, fault_kind,
+                         fault_scale)
+  state, healthy = server_step(groups, carry.state, starts, trained, inputs.took_part,
+                               inputs.server_key, outlier_factor)
+  opts = tuple(weights_lib.keep_masked(after, before, mask) for after, before, mask in
+               zip(opt_after, carry.opt_states, _group_masks(groups, healthy)))
   losses = jnp.where(inputs.took_part, losses, 0.0)
-  new = groups.server_update(state, tuple(kept), tuple(masks), inputs.server_key)
-  state = keep_if_nobody(healthy, new, state)
-  return (state, tuple(opts)), RoundMetrics(losses, inputs.took_part, healthy,
-                                            inputs.faulty)
+  return Carry(state, opts), RoundMetrics(losses, inputs.took_part, healthy,
+                                          inputs.faulty)
 
 
-def _warmup_inputs(groups: groups_lib.Groups, carry: Any,
+def _warmup_inputs(groups: groups_lib.Groups, carry: Carry,
                    feds: tuple[federation_lib.Federation, ...], seed: chex.Array
                    ) -> _Inputs:
-  """The warm-up: every client trains, with the run's warm-up key."""
-  state, opt_states = carry
-  key = run_keys(seed)[1]
+  """The warm-up: every client trains, with its warm-up key."""
+  keys = functools.partial(warmup_training_keys, seed)
   clients = tuple(
-      _client_inputs(member, start, opt, context, fed, None, key)
+      _client_inputs(member, start, opt, context, fed, None, keys)
       for member, start, opt, context, fed in zip(
-          groups.members, groups.client_models(state), opt_states,
-          groups.client_context(state), feds))
+          groups.members, groups.client_models(carry.state), carry.opt_states,
+          groups.client_context(carry.state), feds))
   m = sum(f.x.shape[0] for f in feds)
   everyone = jnp.ones(m, bool)
-  return _Inputs(clients, (None,) * len(feds), everyone, ~everyone, key)
+  return _Inputs(clients, (None,) * len(feds), everyone, ~everyone, run_keys(seed)[1])
 
 
-def _warmup_outputs(groups: groups_lib.Groups, carry: Any, inputs: _Inputs,
+def _warmup_outputs(groups: groups_lib.Groups, carry: Carry, inputs: _Inputs,
                     results: tuple[train_lib.ClientResult, ...], *,
-                    outlier_factor: float | None = OUTLIER_FACTOR) -> Any:
-  """The algorithm's warm-up update on the healthy uploads (`healthy_clients`);
-  optimizer states kept."""
-  state, opt_states = carry
+                    outlier_factor: float | None = OUTLIER_FACTOR) -> Carry:
+  """The algorithm's `warmup_step`; optimizer states kept."""
   starts, trained, _, _ = _trained(groups, carry, inputs, results)
-  healthy = _health(groups, inputs.took_part, starts, trained, outlier_factor)
-  masks = tuple(healthy[index] for index in groups.clients)
-  trained = tuple(weights_lib.keep_masked(t, s, m)
-                  for t, s, m in zip(trained, starts, masks))
-  return groups.warmup[1](state, trained, masks), opt_states
+  return Carry(warmup_step(groups, carry.state, starts, trained, outlier_factor),
+               carry.opt_states)
 
 
 def _initial_carry(groups: groups_lib.Groups, feds: tuple[federation_lib.Federation, ...],
-                   class_counts: chex.Array, seed: chex.Array) -> Any:
+                   class_counts: chex.Array, seed: chex.Array) -> Carry:
   """One run's initial state (every client from one model) and optimizer states."""
   key = run_keys(seed)[0]
   params = tuple(models_lib.init_stacked(model, key, fed.x[0, :1], fed.x.shape[0],
@@ -468,20 +549,21 @@ def _initial_carry(groups: groups_lib.Groups, feds: tuple[federation_lib.Federat
   opt_states = tuple(train_lib.init_opt_state(member.optimizer, start)
                      for member, start in zip(groups.members,
                                               groups.client_models(state)))
-  return state, opt_states
+  return Carry(state, opt_states)
 
 
-def _merge_runs(tree: Any) -> Any:
+def _merge_runs(tree: types.Tree) -> types.Tree:
   """Leaves `(S, C, ...)` -> `(S * C, ...)`: the runs' clients as one client axis."""
   return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), tree)
 
 
-def _split_runs(tree: Any, runs: int) -> Any:
+def _split_runs(tree: types.Tree, runs: int) -> types.Tree:
   """Inverse of `_merge_runs`."""
   return jax.tree.map(lambda x: x.reshape(runs, -1, *x.shape[1:]), tree)
 
 
-def _client_trainer(plan: Plan, epochs: int, g: int) -> Callable[..., Any]:
+def _client_trainer(plan: Plan, epochs: int, g: int
+                    ) -> Callable[..., train_lib.ClientResult]:
   """One client's local training in group `g`, a function of `(value, *client)`."""
   def train_one(value, *client):
     member = plan.build(value).members[g]
@@ -492,7 +574,8 @@ def _client_trainer(plan: Plan, epochs: int, g: int) -> Callable[..., Any]:
 
 
 def _phase(plan: Plan, epochs: int, num_groups: int, pre: Callable[..., _Inputs],
-           post: Callable[..., Any]) -> Callable[..., Any]:
+           post: Callable[..., Carry | tuple[Carry, RoundMetrics]]
+           ) -> Callable[..., Carry | tuple[Carry, RoundMetrics]]:
   """A local-training phase of all runs: `pre`, the clients' training, `post`.
 
   `pre(groups, carry, feds, seed, *args)` and `post(groups, carry, inputs,
@@ -541,18 +624,19 @@ def _phase(plan: Plan, epochs: int, num_groups: int, pre: Callable[..., _Inputs]
 class Programs(NamedTuple):
   """A sweep's compiled steps, each over the leading run axis of its arguments.
 
-  `init(values, feds, class_counts, seeds) -> carry` (with the warm-up, if
+  `init(values, feds, class_counts, seeds) -> Carry` (with the warm-up, if
   any; `initial` is the same before it, jitted); `round(values, carry,
-  feds, seeds, t) -> (carry, RoundMetrics)`; `evaluate(values, carry, feds)
+  feds, seeds, t) -> (Carry, RoundMetrics)`; `evaluate(values, carry, feds)
   -> ({kind: (S, M) correct test samples}, (S, M, K) output-layer norms)`.
   """
-  initial: Callable[..., Any]
-  init: Callable[..., Any]
-  round: Callable[..., Any]
-  evaluate: Callable[..., Any]
+  initial: Callable[..., Carry]
+  init: Callable[..., Carry]
+  round: Callable[..., tuple[Carry, RoundMetrics]]
+  evaluate: Callable[..., tuple[dict[str, chex.Array], chex.Array]]
 
 
-def _evaluator(plan: Plan, groups: groups_lib.Groups) -> Callable[..., Any]:
+def _evaluator(plan: Plan, groups: groups_lib.Groups
+               ) -> Callable[..., tuple[dict[str, chex.Array], chex.Array]]:
   """One run's evaluation: correct test samples per kind, output-layer norms."""
   strategy = "vmap" if plan.strategy == "loop" else plan.strategy
   counters = [mapping.map_clients(functools.partial(
@@ -561,7 +645,7 @@ def _evaluator(plan: Plan, groups: groups_lib.Groups) -> Callable[..., Any]:
 
   def evaluate(value, carry, feds):
     built = plan.build(value)
-    held = built.evaluate(carry[0])
+    held = built.evaluate(carry.state)
     m = sum(f.x.shape[0] for f in feds)
     correct = {kind: _to_clients(tuple(
         count(h[kind], f.test_x, f.test_y, f.test_valid)
@@ -577,7 +661,7 @@ def _evaluator(plan: Plan, groups: groups_lib.Groups) -> Callable[..., Any]:
   return evaluate
 
 
-def output_norms(params: Any, where: types.Selector = parts_lib.PFLAX_OUTPUT
+def output_norms(params: types.Stacked, where: types.Selector = parts_lib.PFLAX_OUTPUT
                  ) -> chex.Array:
   """`(M, K)` l2-norms of each client's output-layer weight vectors (cwFedAvg Fig. 3).
 
@@ -611,7 +695,7 @@ def build_programs(plan: Plan) -> Programs:
                           seed)
 
   starting = jax.jit(jax.vmap(initial))
-  warm = (_phase(plan, groups.warmup[0], num_groups, _warmup_inputs,
+  warm = (_phase(plan, groups.warmup.epochs, num_groups, _warmup_inputs,
                  functools.partial(_warmup_outputs, outlier_factor=plan.outlier_factor))
           if groups.warmup else None)
 

@@ -25,6 +25,19 @@ from pflax._src import weights as weights_lib
 Tuple = tuple[Any, ...]
 
 
+class GroupWarmup(NamedTuple):
+  """`Algorithm.warmup` in the group form: local training of every client
+  before round 1, then `update`.
+
+  Attributes:
+    epochs: local epochs of the warm-up.
+    update: `update(state, trained, masks) -> state`, with `trained` and
+      `masks` per group as in `Groups.server_update`.
+  """
+  epochs: int
+  update: Callable[[alg.State, Tuple, Tuple], alg.State]
+
+
 class Groups(NamedTuple):
   """An algorithm over clients in architecture groups (the engine's form).
 
@@ -39,17 +52,17 @@ class Groups(NamedTuple):
     init: `init(params, class_counts, key) -> state`.
     client_models, client_context, evaluate: of the state, per group.
     server_update: `server_update(state, trained, masks, key) -> state`.
-    warmup: `(epochs, update(state, trained, masks) -> state)` or None.
+    warmup: the warm-up phase (`GroupWarmup`) or None.
   """
   models: tuple[nn.Module, ...]
   clients: tuple[np.ndarray, ...]
   members: tuple[alg.Algorithm, ...]
-  init: Callable[[Tuple, chex.Array, chex.PRNGKey], Any]
-  client_models: Callable[[Any], Tuple]
-  client_context: Callable[[Any], Tuple]
-  server_update: Callable[[Any, Tuple, Tuple, chex.PRNGKey], Any]
-  evaluate: Callable[[Any], tuple[dict[str, types.Stacked], ...]]
-  warmup: tuple[int, Callable[[Any, Tuple, Tuple], Any]] | None
+  init: Callable[[Tuple, chex.Array, chex.PRNGKey], alg.State]
+  client_models: Callable[[alg.State], Tuple]
+  client_context: Callable[[alg.State], Tuple]
+  server_update: Callable[[alg.State, Tuple, Tuple, chex.PRNGKey], alg.State]
+  evaluate: Callable[[alg.State], tuple[dict[str, types.Stacked], ...]]
+  warmup: GroupWarmup | None
 
 
 def one_group(algorithm: alg.Algorithm, model: nn.Module, num_clients: int) -> Groups:
@@ -63,8 +76,8 @@ def one_group(algorithm: alg.Algorithm, model: nn.Module, num_clients: int) -> G
       server_update=lambda state, trained, masks, key: algorithm.server_update(
           state, trained[0], masks[0], key),
       evaluate=lambda state: (algorithm.evaluate(state),),
-      warmup=warm and (warm.epochs, lambda state, trained, masks: warm.update(
-          state, trained[0], masks[0])))
+      warmup=warm and GroupWarmup(warm.epochs, lambda state, trained, masks:
+                                  warm.update(state, trained[0], masks[0])))
 
 
 class Heterogeneous(NamedTuple):
@@ -171,5 +184,5 @@ def as_groups(algorithm: alg.Algorithm | Heterogeneous, model: nn.Module,
       server_update=lambda state, trained, masks, key: updated(
           inner.server_update, state, trained, masks, key),
       evaluate=evaluate,
-      warmup=warm and (warm.epochs, lambda state, trained, masks: updated(
-          warm.update, state, trained, masks)))
+      warmup=warm and GroupWarmup(warm.epochs, lambda state, trained, masks:
+                                  updated(warm.update, state, trained, masks)))

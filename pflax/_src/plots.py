@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pflax._src import builders
 from pflax._src import records
+from pflax._src.methods import registry
 
 if TYPE_CHECKING:
   from matplotlib.axes import Axes
@@ -37,7 +37,7 @@ Runs = records.Results | records.RunRecord | Iterable[records.RunRecord]
 def _style_index(algorithm: str, size: int) -> int:
   """pflax's own in the order of `pflax.algorithms.BUILDERS`, any other name by
   a hash of it."""
-  names = tuple(builders.BUILDERS)
+  names = tuple(registry.BUILDERS)
   index = names.index(algorithm) if algorithm in names else zlib.crc32(algorithm.encode())
   return index % size
 

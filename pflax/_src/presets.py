@@ -184,6 +184,42 @@ _FEDREMA = dict(partition="groups", iid_fraction=0.2, samples_per_client=600,
 
 _FIVE_SEEDS = (0, 1, 2, 3, 4)
 
+_PFLLIB = dict(dataset="fashion_mnist", clients=20, participation=1.0, rounds=2000,
+               local_epochs=1, batch_size=10, optimizer="sgd", lr=0.005,
+               test_fraction=0.25, model="cnn")
+
+_PFLLIB_ALGORITHMS = ("fedavg", "fedprox", "fedper", "ditto", "fedrep", "fedbabu",
+                      "apfl", "fedala")
+
+_PFLLIB_SOURCES = {
+    "clients, participation, rounds, local_epochs, batch_size, optimizer, lr, "
+    "test_fraction":
+        "PFLlib (Zhang et al., github.com/TsingZ0/PFLlib) leaderboard, README "
+        "'Experimental Results': 20 clients, all joining, 2000 rounds, 1 local epoch, "
+        "batch size 10, SGD with learning rate 0.005, 75% of each client's data for "
+        "training and 25% for testing; the best test accuracy over the rounds",
+    "model": "PFLlib's 4-layer CNN for Fashion-MNIST (FedAvgCNN), which is pflax's "
+             "CNN",
+}
+
+
+def _pfllib(partition: str, label: str, numbers: Mapping[str, float],
+            **fields: Any) -> Preset:
+  """A PFLlib leaderboard setting on Fashion-MNIST (its published accuracies)."""
+  return Preset(
+      f"pfllib-fmnist-{partition}",
+      f"PFLlib leaderboard, Fashion-MNIST, {label}, 20 clients: the baselines' "
+      f"published accuracies (FedAvg {numbers['fedavg']}). Departures: PFLlib's "
+      "partitions give clients unequal sizes (pflax's are near-equal); hyperparameters "
+      "of the methods are pflax's defaults where the leaderboard states none.",
+      _PFLLIB_ALGORITHMS, dict(_PFLLIB, partition=partition, **fields),
+      {**_PFLLIB_SOURCES,
+       "partition": f"the leaderboard's {label} column",
+       "paper": "PFLlib README, 'Experimental Results', Fashion-MNIST, " + label + ": "
+                + ", ".join(f"{k} {v}" for k, v in numbers.items())},
+      dict(numbers))
+
+
 PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("cwfedavg-cifar10-pathological",
            "cwFedAvg (Output) with WDR, Table 1: CIFAR-10, 2 classes per client; the "
@@ -381,20 +417,24 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            "participation; the paper reports 98.75 (FedAvg 75.28). pflax's CNN is "
            "the paper's model (line 158); the train/test ratio is not stated "
            "(75/25).",
-           ("feddwa", "fedavg"),
+           ("feddwa", "fedavg", "fedavg_ft", "ditto", "fedala"),
            dict(_FEDDWA, dataset="fashion_mnist", partition="pathological",
                 classes_per_client=2),
            {**_FEDDWA_SOURCES, **_FEDDWA_FMNIST,
             "clients, participation, rounds": _FEDDWA_20_CLIENTS,
             "paper": "lines 217-228 (Table A1, FMNIST, 100%; the cells run together: "
                      "line 219 FedAvg ...75.4475.28, line 228 FedDWA ...98.3998.75, "
-                     "20% before 100% as in line 218): FedAvg 75.28, FedDWA 98.75"},
-           {"feddwa": 98.75, "fedavg": 75.28}),
+                     "20% before 100% as in line 218): FedAvg 75.28, FedDWA 98.75; "
+                     "lines 220, 221, 227 (read alike: FedAvg-FT ...98.0698.64, Ditto "
+                     "...98.0698.24, FedALA ...98.1298.68): FedAvg-FT 98.64, Ditto "
+                     "98.24, FedALA 98.68"},
+           {"feddwa": 98.75, "fedavg": 75.28, "fedavg_ft": 98.64, "ditto": 98.24,
+            "fedala": 98.68}),
     Preset("feddwa-fmnist-pathological-100-clients",
            "FedDWA, Table A1: Fashion-MNIST, 2 classes per client, 100 clients, 20% "
            "participation; the paper reports 98.39 (FedAvg 75.44). Departures as "
            "for feddwa-fmnist-pathological.",
-           ("feddwa", "fedavg"),
+           ("feddwa", "fedavg", "fedavg_ft", "ditto", "fedala"),
            dict(_FEDDWA, dataset="fashion_mnist", partition="pathological",
                 classes_per_client=2, clients=100, participation=0.2, rounds=300),
            {**_FEDDWA_SOURCES, **_FEDDWA_FMNIST,
@@ -403,8 +443,10 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                 "20% of the clients participate in training, the total number of "
                 "global communications used for training was 300 times",
             "paper": "lines 217-228 (Table A1, FMNIST, 20%; read as for "
-                     "feddwa-fmnist-pathological): FedAvg 75.44, FedDWA 98.39"},
-           {"feddwa": 98.39, "fedavg": 75.44}),
+                     "feddwa-fmnist-pathological): FedAvg 75.44, FedDWA 98.39, "
+                     "FedAvg-FT 98.06, Ditto 98.06, FedALA 98.12"},
+           {"feddwa": 98.39, "fedavg": 75.44, "fedavg_ft": 98.06, "ditto": 98.06,
+            "fedala": 98.12}),
     Preset("fedrema-cifar10-groups",
            "FedReMa, Table 1: CIFAR-10, five groups of clients with three dominant "
            "labels, s = 0.2, 600 samples per client split 4:1, 5 seeds; the paper "
@@ -412,14 +454,16 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            "Departures: pflax's CNN instead of a simplified AlexNet; the number of "
            "clients is not stated (20); momentum and clipping from the authors' "
            "code.",
-           ("fedrema", "fedavg", "fedprox", "local"),
+           ("fedrema", "fedavg", "fedprox", "local", "moon", "fedper", "fedbabu"),
            dict(_FEDREMA, dataset="cifar10"),
            {**_FEDREMA_SOURCES,
             "model": "line 220: a simplified AlexNet for CIFAR-10 (pflax: its 4-layer "
                      "CNN)",
             "paper": "lines 234-245 (Table 1, CIFAR-10): Local 58.9, FedAvg 61.9, "
-                     "FedProx 61.6, FedReMa 65.4"},
-           {"fedrema": 65.4, "fedavg": 61.9, "fedprox": 61.6, "local": 58.9},
+                     "FedProx 61.6, MOON 61.9, FedPer 59.5, FedBABU 53.6, FedReMa "
+                     "65.4"},
+           {"fedrema": 65.4, "fedavg": 61.9, "fedprox": 61.6, "local": 58.9,
+            "moon": 61.9, "fedper": 59.5, "fedbabu": 53.6},
            _FIVE_SEEDS),
     Preset("fedrema-fmnist-groups",
            "FedReMa, Table 1: Fashion-MNIST, five groups of clients with three "
@@ -429,15 +473,25 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            "fully connected layers, widths not stated). Departures: the number of "
            "clients is not stated (20); momentum and clipping from the authors' "
            "code.",
-           ("fedrema", "fedavg", "fedprox", "local"),
+           ("fedrema", "fedavg", "fedprox", "local", "moon", "fedper", "fedbabu"),
            dict(_FEDREMA, dataset="fashion_mnist"),
            {**_FEDREMA_SOURCES,
             "model": "line 220: For MNIST and FMNIST, we use a CNN model consisting "
                      "of 2 convolutional layers and 2 fully connected layers",
             "paper": "lines 234-245 (Table 1, FMNIST): Local 86.0, FedAvg 86.1, "
-                     "FedProx 84.8, FedReMa 88.2"},
-           {"fedrema": 88.2, "fedavg": 86.1, "fedprox": 84.8, "local": 86.0},
+                     "FedProx 84.8, MOON 86.0, FedPer 86.1, FedBABU 83.1, FedReMa "
+                     "88.2"},
+           {"fedrema": 88.2, "fedavg": 86.1, "fedprox": 84.8, "local": 86.0,
+            "moon": 86.0, "fedper": 86.1, "fedbabu": 83.1},
            _FIVE_SEEDS),
+    _pfllib("pathological", "pathological (2 classes per client)",
+            {"fedavg": 80.41, "fedprox": 78.08, "fedper": 99.47, "ditto": 99.44,
+             "fedrep": 99.56, "fedbabu": 99.41, "apfl": 99.41, "fedala": 99.57},
+            classes_per_client=2),
+    _pfllib("dirichlet", "practical (Dir(0.1))",
+            {"fedavg": 85.85, "fedprox": 85.63, "fedper": 97.44, "ditto": 97.47,
+             "fedrep": 97.56, "fedbabu": 97.46, "apfl": 97.25, "fedala": 97.66},
+            dirichlet_alpha=0.1),
 )}
 
 

@@ -5,10 +5,10 @@ outside the simulator (`pflax.flower`) runs the same round in pieces, on other
 machines: the server draws the participants and gives each its starting model,
 its loss's context and its training key (`round_tasks`); each client trains on
 its own data (`client_update`); the server aggregates the uploads it received
-(`server_step`). The pieces draw every key as the engine does
-(`pflax._src.engine`), so with the same seed, data and algorithm they compute
-the engine's round, and a client whose upload never arrives is dropped exactly
-as the engine drops a faulty one.
+(`server_step`). The pieces are the engine's (`pflax._src.engine`): its key
+schedule and its server steps on one architecture group, so with the same
+seed, data and algorithm they compute the engine's round, and a client whose
+upload never arrives is dropped exactly as the engine drops a faulty one.
 """
 
 import functools
@@ -20,16 +20,16 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from pflax._src import algorithm as alg
 from pflax._src import engine
+from pflax._src import groups as groups_lib
 from pflax._src import models
 from pflax._src import prng
-from pflax._src import robust as robust_lib
 from pflax._src import train as train_lib
 from pflax._src import tree as tree_lib
 from pflax._src import types
-from pflax._src import weights as weights_lib
 from pflax._src.data import federation as federation_lib
 
 
@@ -60,7 +60,7 @@ def training_class_counts(data: ClientData) -> np.ndarray:
 
 
 def initial_state(algorithm: alg.Algorithm, model: nn.Module, sample_input: chex.Array,
-                  class_counts: chex.Array, seed: int) -> Any:
+                  class_counts: chex.Array, seed: int) -> alg.State:
   """The algorithm's state before round 1, as the engine makes it from `seed`.
 
   Args:
@@ -88,7 +88,7 @@ class Tasks(NamedTuple):
   """
   clients: np.ndarray
   starts: types.Stacked
-  contexts: Any
+  contexts: types.Stacked | None
   keys: np.ndarray
   server_key: chex.PRNGKey
 
@@ -96,14 +96,13 @@ class Tasks(NamedTuple):
 def training_keys(seed: int, t: int, num_clients: int) -> tuple[np.ndarray, ...]:
   """Round `t`'s (from 0) participant key, `(M, 2)` client key data, server key."""
   sample_key, train_key, server_key = engine.round_keys(engine.run_keys(seed)[2], t)
-  group_key = jax.random.fold_in(train_key, 0)    # one architecture group
-  keys = engine.client_keys(group_key, jnp.arange(num_clients))
+  keys = engine.group_training_keys(train_key, 0, jnp.arange(num_clients))
   return sample_key, np.asarray(jax.random.key_data(keys)), server_key
 
 
 def warmup_keys(seed: int, num_clients: int) -> np.ndarray:
   """`(M, 2)` key data of the clients' warm-up training keys."""
-  keys = engine.client_keys(engine.run_keys(seed)[1], jnp.arange(num_clients))
+  keys = engine.warmup_training_keys(seed, jnp.arange(num_clients))
   return np.asarray(jax.random.key_data(keys))
 
 
@@ -113,25 +112,26 @@ def key_from_data(data: Any) -> chex.PRNGKey:
                                   impl=prng.IMPL)
 
 
-def round_tasks(algorithm: alg.Algorithm, state: Any, seed: int, t: int,
+def round_tasks(algorithm: alg.Algorithm, state: alg.State, seed: int, t: int,
                 num_clients: int, participation: float) -> Tasks:
   """Round `t`'s (from 0) participants and what each trains from."""
   sample_key, keys, server_key = training_keys(seed, t, num_clients)
-  chosen = engine.participants(jax.random.fold_in(sample_key, 0), num_clients,
-                               participation)
+  chosen = engine.round_participants(sample_key, num_clients, participation)
   return Tasks(np.asarray(chosen), algorithm.client_models(state),
                algorithm.client_context(state), keys, server_key)
 
 
 @functools.lru_cache(maxsize=16)
-def _trainer(loss: train_lib.LossFn, optimizer: Any, unroll: Any, epochs: int,
-             batch_size: int) -> Callable[..., train_lib.ClientResult]:
+def _trainer(loss: train_lib.LossFn, optimizer: optax.GradientTransformation,
+             unroll: int | bool | None, epochs: int, batch_size: int
+             ) -> Callable[..., train_lib.ClientResult]:
   return jax.jit(functools.partial(train_lib.train_client, loss, optimizer,
                                    epochs=epochs, batch_size=batch_size, unroll=unroll))
 
 
-def client_update(algorithm: alg.Algorithm, params: types.Tree, opt_state: Any,
-                  context: Any, data: ClientData, key: chex.PRNGKey, *, epochs: int,
+def client_update(algorithm: alg.Algorithm, params: types.Tree,
+                  opt_state: optax.OptState | None, context: types.Tree | None,
+                  data: ClientData, key: chex.PRNGKey, *, epochs: int,
                   batch_size: int) -> train_lib.ClientResult:
   """One client's local training, as the engine trains it.
 
@@ -168,23 +168,25 @@ def with_uploads(starts: types.Stacked, uploads: dict[int, types.Tree]
   return trained, received
 
 
+def _one_group(algorithm: alg.Algorithm, starts: types.Stacked) -> groups_lib.Groups:
+  """The engine's form of `algorithm` on the clients of `starts`: one group
+  (whose model, which the server steps do not read, is not known here)."""
+  return groups_lib.one_group(algorithm, None, tree_lib.num_clients(starts))
+
+
 @functools.partial(jax.jit, static_argnums=(0, 6))
-def _server_step(server_update: Callable[..., Any], state: Any, starts: types.Stacked,
+def _server_step(algorithm: alg.Algorithm, state: alg.State, starts: types.Stacked,
                  trained: types.Stacked, received: chex.Array, key: chex.PRNGKey,
-                 outlier_factor: float | None) -> tuple[Any, chex.Array]:
-  healthy = engine.healthy_clients(
-      received, tree_lib.finite_clients(trained),
-      robust_lib.log2_update_norms(trained, starts), outlier_factor)
-  trained = weights_lib.keep_masked(trained, starts, healthy)
-  new = server_update(state, trained, healthy, key)
-  return engine.keep_if_nobody(healthy, new, state), healthy
+                 outlier_factor: float | None) -> tuple[alg.State, chex.Array]:
+  return engine.server_step(_one_group(algorithm, starts), state, (starts,), (trained,),
+                            received, key, outlier_factor)
 
 
-def server_step(algorithm: alg.Algorithm, state: Any, tasks: Tasks,
+def server_step(algorithm: alg.Algorithm, state: alg.State, tasks: Tasks,
                 uploads: dict[int, types.Tree], *,
                 outlier_factor: float | None = engine.OUTLIER_FACTOR
-                ) -> tuple[Any, np.ndarray]:
-  """The round's aggregation of the uploads received: `(state, healthy)`.
+                ) -> tuple[alg.State, np.ndarray]:
+  """The engine's `server_step` on the uploads received: `(state, healthy)`.
 
   A participant whose upload did not arrive, is not finite or whose update
   norm exceeds `outlier_factor` x the round's median is dropped, by the
@@ -192,30 +194,26 @@ def server_step(algorithm: alg.Algorithm, state: Any, tasks: Tasks,
   server step. A round with no healthy upload keeps the state.
   """
   trained, received = with_uploads(tasks.starts, uploads)
-  state, healthy = _server_step(algorithm.server_update, state, tasks.starts, trained,
-                                received, tasks.server_key, outlier_factor or None)
+  state, healthy = _server_step(algorithm, state, tasks.starts, trained, received,
+                                tasks.server_key, outlier_factor or None)
   return state, np.asarray(healthy)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
-def _warmup_step(update: Callable[..., Any], state: Any, starts: types.Stacked,
-                 trained: types.Stacked, outlier_factor: float | None) -> Any:
-  everyone = jnp.ones(tree_lib.num_clients(trained), bool)
-  healthy = engine.healthy_clients(
-      everyone, tree_lib.finite_clients(trained),
-      robust_lib.log2_update_norms(trained, starts), outlier_factor)
-  return update(state, weights_lib.keep_masked(trained, starts, healthy), healthy)
+def _warmup_step(algorithm: alg.Algorithm, state: alg.State, starts: types.Stacked,
+                 trained: types.Stacked, outlier_factor: float | None) -> alg.State:
+  return engine.warmup_step(_one_group(algorithm, starts), state, (starts,), (trained,),
+                            outlier_factor)
 
 
-def warmup_step(algorithm: alg.Algorithm, state: Any,
+def warmup_step(algorithm: alg.Algorithm, state: alg.State,
                 uploads: dict[int, types.Tree], *,
-                outlier_factor: float | None = engine.OUTLIER_FACTOR) -> Any:
-  """The algorithm's warm-up update (`Algorithm.warmup`) on the uploads received,
+                outlier_factor: float | None = engine.OUTLIER_FACTOR) -> alg.State:
+  """The engine's `warmup_step` (`Algorithm.warmup`) on the uploads received,
   the non-finite and outlying ones dropped (`engine.healthy_clients`)."""
   starts = algorithm.client_models(state)
   trained, _ = with_uploads(starts, uploads)
-  return _warmup_step(algorithm.warmup.update, state, starts, trained,
-                      outlier_factor or None)
+  return _warmup_step(algorithm, state, starts, trained, outlier_factor or None)
 
 
 @functools.lru_cache(maxsize=16)

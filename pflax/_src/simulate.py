@@ -17,18 +17,15 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import chex
 import flax.linen as nn
 import jax
 import numpy as np
 import optax
 
 from pflax._src import algorithm as alg
-from pflax._src import builders
 from pflax._src import checkpoint as checkpoint_lib
 from pflax._src import engine
 from pflax._src import groups as groups_lib
-from pflax._src import mapping
 from pflax._src import models
 from pflax._src import parts as parts_lib
 from pflax._src import prng
@@ -42,11 +39,12 @@ from pflax._src.data import federation as federation_lib
 from pflax._src.data import groups as label_groups_lib
 from pflax._src.data import partition as partition_lib
 from pflax._src.data import pathological as pathological_lib
+from pflax._src.methods import registry
 
 PARTITIONS = ("pathological", "dirichlet", "groups")
 TEST_SPLITS = ("clients", "dataset")
 """Where the clients' test data come from (`ExperimentConfig.test_split`)."""
-HEAD_SHARING = ("local", "fedavg", "cwfedavg", "fedclassavg", "fedsa")
+HEAD_SHARING = registry.HEAD_SHARING
 """pflax's algorithms whose server step and client context read only the output
 layer, so `heterogeneous=True` can wrap them (`pflax.algorithms.heterogeneous`)."""
 OPTIMIZER_FIELDS = ("optimizer", "lr", "momentum", "adam_b1", "grad_clip")
@@ -101,7 +99,8 @@ class ExperimentConfig:
     local_epochs, batch_size: local training, shared by all algorithms.
     optimizer, lr, momentum, adam_b1, grad_clip: the clients' optimizer
       ("sgd" or "adam"), shared by all algorithms except as overridden.
-    optimizers: per algorithm, overrides of the optimizer fields: FedClassAvg
+    optimizers: per algorithm, overrides of the optimizer fields; by default
+      the methods' own (`pflax.algorithms.Method.optimizer`): FedClassAvg
       trains with Adam (its authors' optimizer, betas (0.5, 0.999), lr 1e-3):
       its supervised contrastive loss at temperature 100 on unnormalised
       features diverged under the common SGD base (9.8% accuracy on digits,
@@ -139,8 +138,7 @@ class ExperimentConfig:
   adam_b1: float = 0.9
   grad_clip: float | None = None
   optimizers: Mapping[str, Mapping[str, Any]] = dataclasses.field(
-      default_factory=lambda: {"fedclassavg": {"optimizer": "adam", "lr": 1e-3,
-                                               "adam_b1": 0.5}})
+      default_factory=registry.default_optimizers)
   hyperparameters: Mapping[str, Mapping[str, Any]] = dataclasses.field(
       default_factory=dict)
 
@@ -319,10 +317,10 @@ def resolve_builder(name: str) -> Builder:
   Raises:
     ValueError: for an unknown name or a path that does not import.
   """
-  if name in builders.BUILDERS:
-    return builders.BUILDERS[name]
+  if name in registry.BUILDERS:
+    return registry.BUILDERS[name]
   if ":" not in name:
-    raise ValueError(f"algorithm must be one of {tuple(builders.BUILDERS)} or "
+    raise ValueError(f"algorithm must be one of {tuple(registry.BUILDERS)} or "
                      f"'module:builder', got {name!r}.")
   module, _, attr = name.partition(":")
   try:
@@ -420,7 +418,7 @@ def _plan(algorithm: str | Builder, config: ExperimentConfig, setup: Setup,
                      f"it does not take a model of your own ({type(setup.model).__name__}).")
   algorithm_ = build.algorithm(setup.model, None)  # the builder's checks, on the host
   known = pflax_model and setup.parts is parts_lib.pflax_parts(setup.model)
-  if not (known and builder in builders.BUILDERS.values()):
+  if not (known and builder in registry.BUILDERS.values()):
     _check_fits(_algorithm_name(algorithm), algorithm_, setup)
   return engine.Plan(build=build, num_clients=config.clients,
                      participation=config.participation,
@@ -535,8 +533,8 @@ def _keywords(builder: Builder) -> tuple[str, ...] | None:
 def _named_builder(table: str, name: str, run: Mapping[str, str | Builder]
                    ) -> Builder:
   """The builder that the key `name` of `config.<table>` configures."""
-  if name in builders.BUILDERS:
-    return builders.BUILDERS[name]
+  if name in registry.BUILDERS:
+    return registry.BUILDERS[name]
   if name in run and not isinstance(run[name], str):
     return run[name]
   if name in run or ":" in name:
@@ -544,7 +542,7 @@ def _named_builder(table: str, name: str, run: Mapping[str, str | Builder]
       return resolve_builder(name)
     except ValueError as e:
       raise ValueError(f"{table}: unknown algorithm {name!r}: {e}") from None
-  known = list(builders.BUILDERS) + [n for n in run if n not in builders.BUILDERS]
+  known = list(registry.BUILDERS) + [n for n in run if n not in registry.BUILDERS]
   raise ValueError(f"{table}: unknown algorithm {name!r}{_closest(name, known)}; "
                    f"known: {', '.join(known)} (or 'module:builder')")
 
@@ -691,7 +689,7 @@ class _Grid:
     builder = resolve_builder(algorithm) if isinstance(algorithm, str) else algorithm
     _check_grid(seeds, swept, values, builder)
     if (config.heterogeneous and isinstance(algorithm, str)
-        and algorithm in builders.BUILDERS and algorithm not in HEAD_SHARING):
+        and algorithm in registry.BUILDERS and algorithm not in HEAD_SHARING):
       raise ValueError(f"heterogeneous models need an algorithm that shares a head "
                        f"({', '.join(HEAD_SHARING)}), got {algorithm!r}.")
     if mesh is not None and config.heterogeneous:

@@ -336,14 +336,13 @@ class Outcome(NamedTuple):
     counts: `(M,)` validation samples per client.
     correct: `(M,)` correctly classified test samples (personalized models).
     train_losses: `(R, M)` mean local loss per round and client.
-    carry: the engine's `(state, optimizer states)` after the rounds, a start
-      for the next ones.
+    carry: the engine's `Carry` after the rounds, a start for the next ones.
   """
   losses: chex.Array
   counts: chex.Array
   correct: chex.Array
   train_losses: chex.Array
-  carry: Any
+  carry: engine.Carry
 
   @property
   def loss(self) -> chex.Array:
@@ -353,7 +352,7 @@ class Outcome(NamedTuple):
 
 
 def _start(task: Task, groups: groups_lib.Groups, federation: Any,
-           seed: chex.Array) -> Any:
+           seed: chex.Array) -> engine.Carry:
   """`engine._initial_carry`, the initial models cast to `task.dtype`."""
   counts = engine.declared_counts(task.plan, federation.counts, seed)
   key = engine.run_keys(seed)[0]
@@ -364,11 +363,11 @@ def _start(task: Task, groups: groups_lib.Groups, federation: Any,
   opt_states = tuple(train_lib.init_opt_state(member.optimizer, start)
                      for member, start in zip(groups.members,
                                               groups.client_models(state)))
-  return state, opt_states
+  return engine.Carry(state, opt_states)
 
 
 def initial_carry(task: Task, values: Mapping[str, chex.Numeric] | None = None, *,
-                  seed: int | chex.Array) -> Any:
+                  seed: int | chex.Array) -> engine.Carry:
   """The engine's state before round 1 for `seed` (initial model from
   `run_keys(seed)[0]`), built with `values` (default `task.defaults`)."""
   values = dict(task.defaults) if values is None else values
@@ -376,7 +375,8 @@ def initial_carry(task: Task, values: Mapping[str, chex.Numeric] | None = None, 
                 jnp.asarray(seed, jnp.int32))
 
 
-def _settled(one_round: Callable[..., Any], carry: Any, t: chex.Array) -> Any:
+def _settled(one_round: Callable[..., tuple[engine.Carry, chex.Array]],
+             carry: engine.Carry, t: chex.Array) -> engine.Carry:
   """`carry` in the dtypes a round gives it (e.g. cwFedAvg's initial class
   distributions, float32, become float64 with float64 models), so that the scan
   over rounds has one carry type."""
@@ -410,8 +410,8 @@ def _client_validation(model: nn.Module, params: Any, x: chex.Array, y: chex.Arr
 
 @functools.partial(jax.jit, static_argnames=("task", "rounds"))
 def _run(task: Task, values: Mapping[str, chex.Array], federation: Any,
-         validation: Validation, seed: chex.Array, start: Any, first_round: chex.Array,
-         *, rounds: int) -> Outcome:
+         validation: Validation, seed: chex.Array, start: engine.Carry | None,
+         first_round: chex.Array, *, rounds: int) -> Outcome:
   groups = task.groups(values)
   member = groups.members[0]
   train = _trainer(task, member)
@@ -431,7 +431,7 @@ def _run(task: Task, values: Mapping[str, chex.Array], federation: Any,
 
   ts = first_round + jnp.arange(rounds, dtype=jnp.int32)
   carry, train_losses = jax.lax.scan(one_round, _settled(one_round, start, ts[0]), ts)
-  held = groups.evaluate(carry[0])[0]["personalized"]
+  held = groups.evaluate(carry.state)[0]["personalized"]
   losses = jax.vmap(functools.partial(_client_validation, task.model))(
       held, validation.x, validation.y, validation.valid)
   frozen = jax.lax.stop_gradient(held)
@@ -443,7 +443,8 @@ def _run(task: Task, values: Mapping[str, chex.Array], federation: Any,
 
 
 def validation_loss(task: Task, values: Mapping[str, chex.Numeric] | None = None, *,
-                    seed: int | chex.Array, rounds: int, start: Any = None,
+                    seed: int | chex.Array, rounds: int,
+                    start: engine.Carry | None = None,
                     first_round: int | chex.Array = 0) -> Outcome:
   """R rounds of the task's algorithm and the clients' validation losses, a pure
   function differentiable with respect to `values`.

@@ -1,1 +1,31 @@
-"""One file per method: its state, its builder."""
+"""One file per method: its state, its builder and its `Method`, listed in `registry`."""
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from pflax._src import algorithm as alg
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Method:
+  """A built-in method: everything pflax knows of it besides its code.
+
+  Attributes:
+    name: its command-line name (`pflax-run --algorithms`, the keys of
+      `ExperimentConfig.optimizers` and `hyperparameters`).
+    builder: `builder(model, optimizer, **hyperparameters) -> Algorithm`.
+    paper: the paper it implements (docs/methods.md has the details).
+    shares_head: whether its server step and client context read only the
+      output layer, so `heterogeneous=True` can wrap it
+      (`pflax.algorithms.heterogeneous`).
+    optimizer: its own overrides of the clients' optimizer fields (the default
+      of `ExperimentConfig.optimizers`); None: the common optimizer.
+    default: whether `pflax-run` runs it without `--algorithms`.
+  """
+  name: str
+  builder: Callable[..., alg.Algorithm]
+  paper: str
+  shares_head: bool
+  optimizer: Mapping[str, Any] | None = None
+  default: bool

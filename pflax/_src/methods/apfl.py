@@ -10,9 +10,11 @@ import optax
 
 from pflax._src import algorithm as alg
 from pflax._src import fedavg as fedavg_lib
+from pflax._src import methods
 from pflax._src import tree as tree_lib
 from pflax._src import types
 from pflax._src import weights as weights_lib
+from pflax._src.methods import common
 from pflax._src.methods import phases
 
 
@@ -111,9 +113,9 @@ def adaptive_personalization(model: nn.Module, optimizer: optax.GradientTransfor
   def init(params, class_counts, key):
     del key
     m = class_counts.shape[0]
-    return PersonalMixture(jax.tree.map(lambda x: x[0], params), params,
+    return PersonalMixture(common.first(params), params,
                            jnp.full((m,), alpha, jnp.float32),
-                           jnp.sum(class_counts, axis=-1))
+                           common.sample_counts(class_counts))
 
   def evaluate(state):
     held = broadcast_global(state)
@@ -124,3 +126,10 @@ def adaptive_personalization(model: nn.Module, optimizer: optax.GradientTransfor
       init=init, client_models=client_models, loss=loss,
       optimizer=_optimizer(optimizer, adapt_alpha, alpha_lr),
       server_update=server_update, evaluate=evaluate)
+
+
+METHOD = methods.Method(
+    name="apfl", builder=adaptive_personalization,
+    paper=('Deng, Kamani, Mahdavi, "Adaptive Personalized Federated Learning", '
+           'arXiv:2003.13461, 2020'),
+    shares_head=False, default=False)

@@ -4,16 +4,15 @@ from typing import NamedTuple
 
 import chex
 import flax.linen as nn
-import jax
-import jax.numpy as jnp
 import optax
 
 from pflax._src import algorithm as alg
 from pflax._src import fedavg as fedavg_lib
-from pflax._src import losses
+from pflax._src import methods
 from pflax._src import tree as tree_lib
 from pflax._src import types
 from pflax._src import weights as weights_lib
+from pflax._src.methods import common
 
 
 class DittoModels(NamedTuple):
@@ -67,11 +66,7 @@ def ditto(model: nn.Module, optimizer: optax.GradientTransformation, *,
     docs/methods.md#ditto.
   """
   alg.check_range("lam", lam, 0.0)
-  ce = alg.cross_entropy_loss(model)
-
-  def loss(pair, received, batch, key):
-    return (ce(pair["w"], None, batch, key) + ce(pair["v"], None, batch, key)
-            + lam * losses.proximal(pair["v"], received))
+  loss = common.proximal_pair_loss(model, lam)
 
   def server_update(state, trained, mask, key):
     del key
@@ -81,11 +76,17 @@ def ditto(model: nn.Module, optimizer: optax.GradientTransformation, *,
 
   return alg.Algorithm(
       init=lambda params, class_counts, key: DittoModels(
-          jax.tree.map(lambda x: x[0], params), params,
-          jnp.sum(class_counts, axis=-1)),
+          common.first(params), params, common.sample_counts(class_counts)),
       client_models=lambda state: {"w": _broadcast_global(state), "v": state.personal},
       loss=loss, optimizer=alg.per_model(optimizer, ("w", "v")),
       server_update=server_update,
       evaluate=lambda state: {"personalized": state.personal,
                               "global": _broadcast_global(state)},
       client_context=_broadcast_global)
+
+
+METHOD = methods.Method(
+    name="ditto", builder=ditto,
+    paper=('Li et al., "Ditto: Fair and Robust Federated Learning Through '
+           'Personalization", ICML 2021'),
+    shares_head=False, default=False)

@@ -10,10 +10,12 @@ import optax
 
 from pflax._src import algorithm as alg
 from pflax._src import fedavg as fedavg_lib
+from pflax._src import methods
 from pflax._src import parts as parts_lib
 from pflax._src import tree as tree_lib
 from pflax._src import types
 from pflax._src import weights as weights_lib
+from pflax._src.methods import common
 from pflax._src.methods import phases
 
 
@@ -115,9 +117,9 @@ def adaptive_local_aggregation(model: nn.Module, optimizer: optax.GradientTransf
     del key
     tree_lib.required_selection(params, layers, "layers")
     return AdaptiveAggregation(
-        jax.tree.map(lambda x: x[0], params), params,
+        common.first(params), params,
         jax.tree.map(jnp.ones_like, tree_lib.selected(params, layers)),
-        jnp.sum(class_counts, axis=-1))
+        common.sample_counts(class_counts))
 
   def broadcast_global(state):
     return tree_lib.broadcast(state.model, state.num_samples.shape[0])
@@ -144,3 +146,10 @@ def adaptive_local_aggregation(model: nn.Module, optimizer: optax.GradientTransf
                               "global": broadcast_global(state)},
       client_context=lambda state: {"local": state.local,
                                     "global": broadcast_global(state)})
+
+
+METHOD = methods.Method(
+    name="fedala", builder=adaptive_local_aggregation,
+    paper=('Zhang et al., "FedALA: Adaptive Local Aggregation for Personalized '
+           'Federated Learning", AAAI 2023'),
+    shares_head=False, default=False)

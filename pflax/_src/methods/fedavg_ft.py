@@ -4,15 +4,16 @@ from typing import NamedTuple
 
 import chex
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import optax
 
 from pflax._src import algorithm as alg
 from pflax._src import fedavg as fedavg_lib
+from pflax._src import methods
 from pflax._src import tree as tree_lib
 from pflax._src import types
 from pflax._src import weights as weights_lib
+from pflax._src.methods import common
 
 
 class FineTunedModels(NamedTuple):
@@ -35,8 +36,8 @@ def init(params: types.Stacked, class_counts: chex.Array,
   """`Algorithm.init`: the common initial model is global, nobody fine-tuned yet."""
   del key
   m = class_counts.shape[0]
-  return FineTunedModels(jax.tree.map(lambda x: x[0], params), params,
-                         jnp.zeros((m,), bool), jnp.sum(class_counts, axis=-1))
+  return FineTunedModels(common.first(params), params, jnp.zeros((m,), bool),
+                         common.sample_counts(class_counts))
 
 
 def broadcast_global(state: FineTunedModels) -> types.Stacked:
@@ -107,3 +108,10 @@ def fine_tuned_averaging(model: nn.Module,
       init=init, client_models=broadcast_global,
       loss=alg.cross_entropy_loss(model), optimizer=optimizer,
       server_update=server_update, evaluate=evaluate)
+
+
+METHOD = methods.Method(
+    name="fedavg_ft", builder=fine_tuned_averaging,
+    paper=('Cheng, Chadha, Duchi, "Fine-tuning is Fine in Federated Learning", '
+           'arXiv:2108.07313, 2021'),
+    shares_head=False, default=False)

@@ -6,6 +6,7 @@ import optax
 
 from pflax._src import algorithm as alg
 from pflax._src import fedavg as fedavg_lib
+from pflax._src import methods
 from pflax._src import parts as parts_lib
 from pflax._src import tree as tree_lib
 from pflax._src import types
@@ -97,3 +98,10 @@ def body_aggregation(model: nn.Module, optimizer: optax.GradientTransformation, 
       init=init, client_models=client_models, loss=loss,
       optimizer=frozen_head(optimizer, head),
       server_update=server_update, evaluate=fedavg_ft.evaluate)
+
+
+METHOD = methods.Method(
+    name="fedbabu", builder=body_aggregation,
+    paper=('Oh, Kim, Yun, "FedBABU: Toward Enhanced Representation for Federated '
+           'Image Classification", ICLR 2022'),
+    shares_head=False, default=False)

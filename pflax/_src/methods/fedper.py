@@ -4,16 +4,16 @@ from typing import NamedTuple
 
 import chex
 import flax.linen as nn
-import jax
-import jax.numpy as jnp
 import optax
 
 from pflax._src import algorithm as alg
 from pflax._src import fedavg as fedavg_lib
+from pflax._src import methods
 from pflax._src import parts as parts_lib
 from pflax._src import tree as tree_lib
 from pflax._src import types
 from pflax._src import weights as weights_lib
+from pflax._src.methods import common
 
 
 class PersonalLayers(NamedTuple):
@@ -86,8 +86,7 @@ def personalization_layers(model: nn.Module, optimizer: optax.GradientTransforma
   def init(params, class_counts, key):
     del key
     own, base = _split(params, personal)
-    return PersonalLayers(jax.tree.map(lambda x: x[0], base), own,
-                          jnp.sum(class_counts, axis=-1))
+    return PersonalLayers(common.first(base), own, common.sample_counts(class_counts))
 
   def client_models(state):
     m = state.num_samples.shape[0]
@@ -105,3 +104,10 @@ def personalization_layers(model: nn.Module, optimizer: optax.GradientTransforma
       loss=alg.cross_entropy_loss(model), optimizer=optimizer,
       server_update=server_update,
       evaluate=lambda state: {"personalized": client_models(state)})
+
+
+METHOD = methods.Method(
+    name="fedper", builder=personalization_layers,
+    paper=('Arivazhagan et al., "Federated Learning with Personalization Layers", '
+           'arXiv:1912.00818, 2019'),
+    shares_head=False, default=False)

@@ -4,16 +4,16 @@ from typing import NamedTuple
 
 import chex
 import flax.linen as nn
-import jax
-import jax.numpy as jnp
 import optax
 
 from pflax._src import algorithm as alg
 from pflax._src import fedavg as fedavg_lib
+from pflax._src import methods
 from pflax._src import parts as parts_lib
 from pflax._src import tree as tree_lib
 from pflax._src import types
 from pflax._src import weights as weights_lib
+from pflax._src.methods import common
 from pflax._src.methods import phases
 
 
@@ -75,8 +75,8 @@ def representation_sharing(model: nn.Module, optimizer: optax.GradientTransforma
                        "to share: that is local training "
                        "(pflax.algorithms.local_training).")
     heads, body = tree_lib.partition(params, head)
-    return SharedRepresentation(jax.tree.map(lambda x: x[0], body), heads,
-                                jnp.sum(class_counts, axis=-1))
+    return SharedRepresentation(common.first(body), heads,
+                                common.sample_counts(class_counts))
 
   def client_models(state):
     m = state.num_samples.shape[0]
@@ -95,3 +95,10 @@ def representation_sharing(model: nn.Module, optimizer: optax.GradientTransforma
       optimizer=phases.two_phases(head, optimizer, optimizer, head_steps),
       server_update=server_update,
       evaluate=lambda state: {"personalized": client_models(state)})
+
+
+METHOD = methods.Method(
+    name="fedrep", builder=representation_sharing,
+    paper=('Collins et al., "Exploiting Shared Representations for Personalized '
+           'Federated Learning", ICML 2021'),
+    shares_head=False, default=False)

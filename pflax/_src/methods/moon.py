@@ -11,10 +11,12 @@ import optax
 from pflax._src import algorithm as alg
 from pflax._src import fedavg as fedavg_lib
 from pflax._src import losses
+from pflax._src import methods
 from pflax._src import parts as parts_lib
 from pflax._src import tree as tree_lib
 from pflax._src import types
 from pflax._src import weights as weights_lib
+from pflax._src.methods import common
 
 COSINE_EPS = 1e-8
 """The cosine similarity's floor on `||a|| ||b||` (PyTorch's `CosineSimilarity`)."""
@@ -113,8 +115,14 @@ def model_contrastive(model: nn.Module, optimizer: optax.GradientTransformation,
 
   return alg.Algorithm(
       init=lambda params, class_counts, key: ContrastiveModels(
-          jax.tree.map(lambda x: x[0], params), params, jnp.sum(class_counts, axis=-1)),
+          common.first(params), params, common.sample_counts(class_counts)),
       client_models=broadcast_global, loss=loss, optimizer=optimizer,
       server_update=server_update, evaluate=evaluate,
       client_context=lambda state: {"global": broadcast_global(state),
                                     "previous": state.previous})
+
+
+METHOD = methods.Method(
+    name="moon", builder=model_contrastive,
+    paper='Li, He, Song, "Model-Contrastive Federated Learning", CVPR 2021',
+    shares_head=False, default=False)

@@ -1,0 +1,41 @@
+"""What several methods share: pflax's layer selectors, helpers of `init`, the
+loss of a global/personal pair."""
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from pflax._src import algorithm as alg
+from pflax._src import losses
+from pflax._src import parts as parts_lib
+from pflax._src import train
+from pflax._src import types
+
+
+OUTPUT_LAYER = parts_lib.PFLAX_OUTPUT
+"""The output layer (kernel and bias) of pflax's models."""
+CLASSIFIER = parts_lib.PFLAX_CLASSIFIER
+"""Every Dense layer after the feature extractor of pflax's models."""
+
+
+def first(stacked: types.Stacked) -> types.Tree:
+  """Client 0's tree: the common initial model."""
+  return jax.tree.map(lambda x: x[0], stacked)
+
+
+def sample_counts(class_counts: chex.Array) -> chex.Array:
+  """`(M,)` training-set sizes `n_i = sum_j n_ij`."""
+  return jnp.sum(class_counts, axis=-1)
+
+
+def proximal_pair_loss(model: nn.Module, lam: float) -> train.LossFn:
+  """The local objective of a pair `{"w", "v"}` trained on the same batches:
+  `CE(w) + CE(v) + lam/2 ||v - received||^2`, `received` the client context
+  (FedDWA's exclusive model, Ditto's global model)."""
+  ce = alg.cross_entropy_loss(model)
+
+  def loss(pair, received, batch, key):
+    return (ce(pair["w"], None, batch, key) + ce(pair["v"], None, batch, key)
+            + lam * losses.proximal(pair["v"], received))
+  return loss
