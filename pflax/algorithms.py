@@ -34,7 +34,6 @@ from pflax._src.methods.fedper import personalization_layers
 from pflax._src.methods.fedprox import federated_proximal
 from pflax._src.methods.fedrema import MatchedClassifiers
 from pflax._src.methods.fedrema import relevant_client_matching
-from pflax._src.methods.fedrep import SharedRepresentation
 from pflax._src.methods.fedrep import representation_sharing
 from pflax._src.methods.fedsa import parameter_skew_averaging
 from pflax._src.methods.local import ClientModels
@@ -69,7 +68,6 @@ __all__ = (
     "PersonalLayers",
     "PersonalMixture",
     "SharedHead",
-    "SharedRepresentation",
     "Warmup",
     "adaptive_local_aggregation",
     "adaptive_personalization",

@@ -1,36 +1,14 @@
 """FedRep (Collins et al., ICML 2021): a shared body, each client's own head."""
 
-from typing import NamedTuple
-
-import chex
 import flax.linen as nn
 import optax
 
 from pflax._src import algorithm as alg
-from pflax._src import fedavg as fedavg_lib
 from pflax._src import methods
 from pflax._src import parts as parts_lib
-from pflax._src import tree as tree_lib
 from pflax._src import types
-from pflax._src import weights as weights_lib
-from pflax._src.methods import common
+from pflax._src.methods import fedper
 from pflax._src.methods import phases
-
-
-class SharedRepresentation(NamedTuple):
-  """FedRep's state: the global body (representation) and each client's head.
-
-  Both halves keep the model's structure (`pflax.tree.partition`), with None in
-  place of the other half's leaves.
-
-  Attributes:
-    body: the global representation `phi` (no client axis).
-    heads: `(M, ...)` each client's head `h_i`.
-    num_samples: `(M,)` training-set sizes `n_i`.
-  """
-  body: types.Tree
-  heads: types.Stacked
-  num_samples: chex.Array
 
 
 def representation_sharing(model: nn.Module, optimizer: optax.GradientTransformation,
@@ -44,7 +22,10 @@ def representation_sharing(model: nn.Module, optimizer: optax.GradientTransforma
   body with its new head fixed for the round's remaining steps, both with
   cross-entropy; the server averages the bodies, sample-weighted over the
   participants; heads never leave their clients. Each part has its own
-  optimizer state (`phases.two_phases`), fresh every round.
+  optimizer state (`phases.two_phases`), fresh every round. This is FedPer's
+  server and state (`personalization_layers` with the head as its
+  personalization layers, state `PersonalLayers`: `base` is FedRep's body
+  `phi`, `personal` the heads `h_i`) with FedRep's two-phase local training.
 
   Args:
     model: the clients' Flax model.
@@ -67,34 +48,9 @@ def representation_sharing(model: nn.Module, optimizer: optax.GradientTransforma
     raise ValueError(f"head_steps must be >= 0, got {head_steps}.")
   if head is None:
     head = parts_lib.resolve(model, parts, "representation_sharing").output
-
-  def init(params, class_counts, key):
-    del key
-    if all(tree_lib.required_selection(params, head, "head")):
-      raise ValueError("head selects every layer of the model, which leaves no body "
-                       "to share: that is local training "
-                       "(pflax.algorithms.local_training).")
-    heads, body = tree_lib.partition(params, head)
-    return SharedRepresentation(common.first(body), heads,
-                                common.sample_counts(class_counts))
-
-  def client_models(state):
-    m = state.num_samples.shape[0]
-    return tree_lib.combine(state.heads, tree_lib.broadcast(state.body, m))
-
-  def server_update(state, trained, mask, key):
-    del key
-    heads, body = tree_lib.partition(trained, head)
-    return state._replace(
-        body=fedavg_lib.fedavg(body, state.num_samples, mask=mask),
-        heads=weights_lib.keep_masked(heads, state.heads, mask))
-
-  return alg.Algorithm(
-      init=init, client_models=client_models,
-      loss=alg.cross_entropy_loss(model),
-      optimizer=phases.two_phases(head, optimizer, optimizer, head_steps),
-      server_update=server_update,
-      evaluate=lambda state: {"personalized": client_models(state)})
+  shared_body = fedper.personalization_layers(model, optimizer, personal=head)
+  return shared_body._replace(
+      optimizer=phases.two_phases(head, optimizer, optimizer, head_steps))
 
 
 METHOD = methods.Method(
