@@ -214,7 +214,9 @@ def _pfllib(partition: str, label: str, numbers: Mapping[str, float],
       "of the methods are pflax's defaults where the leaderboard states none.",
       _PFLLIB_ALGORITHMS, dict(_PFLLIB, partition=partition, **fields),
       {**_PFLLIB_SOURCES,
-       "partition": f"the leaderboard's {label} column",
+       "partition": f"the leaderboard's {label} column (its README does not state "
+                    "the classes per pathological client or the generator's "
+                    "balance; pflax: 2 classes, near-equal sizes)",
        "paper": "PFLlib README, 'Experimental Results', Fashion-MNIST, " + label + ": "
                 + ", ".join(f"{k} {v}" for k, v in numbers.items())},
       dict(numbers))
