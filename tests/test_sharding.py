@@ -84,7 +84,7 @@ def test_sharded_run_equals_single_device_and_stays_split(name, devices):
   if name in ("feddwa", "fedrema"):  # per-client models (FedAvg keeps a global one,
     assert any("kernel" in leaf for leaf in split), split  # cwFedAvg class models)
   if name == "cwfedavg":
-    assert "[0][0].class_dist" in split, split
+    assert "[0].state.class_dist" in split, split
   for layout in out["layouts"]:
     assert layout["split"], layout
     assert layout["devices"] == devices, layout
