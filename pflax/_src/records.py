@@ -35,6 +35,15 @@ def _mean_std(values: Sequence[float]) -> str:
   return f"{100 * np.mean(values):.2f} ± {100 * np.std(values):.2f}"
 
 
+def write_json(path: str, value: Any) -> None:
+  """Writes `value` as JSON to `path` atomically: a temporary file renamed over
+  it, so a reader never sees a partial file."""
+  tmp = f"{path}.tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump(value, f, indent=1)
+  os.replace(tmp, path)
+
+
 @dataclasses.dataclass(frozen=True)
 class Accuracy:
   """One round's accuracy of one kind of model (`pflax.algorithms.EVALUATED`).
@@ -289,12 +298,8 @@ class Results:
                tuple(RunRecord.from_json(r) for r in d["runs"]))
 
   def save(self, path: str) -> None:
-    """Writes the results as JSON to `path`, atomically (a temporary file renamed
-    over it), so a reader never sees a partial file."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-      json.dump(self.to_json(), f, indent=1)
-    os.replace(tmp, path)
+    """Writes the results as JSON to `path`, atomically (`write_json`)."""
+    write_json(path, self.to_json())
 
   @classmethod
   def load(cls, path: str) -> "Results":

@@ -21,7 +21,6 @@ import functools
 import inspect
 import json
 import math
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -38,6 +37,7 @@ from pflax._src import groups as groups_lib
 from pflax._src import losses as losses_lib
 from pflax._src import mapping
 from pflax._src import models as models_lib
+from pflax._src import records
 from pflax._src import simulate
 from pflax._src import train as train_lib
 from pflax._src.data import clients as clients_lib
@@ -604,11 +604,8 @@ class TuneRecord:
                tuple(TuneStep.from_json(p) for p in d["path"]), d.get("config") or {})
 
   def save(self, path: str) -> None:
-    """Writes the record as JSON to `path`, atomically."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-      json.dump(self.to_json(), f, indent=1)
-    os.replace(tmp, path)
+    """Writes the record as JSON to `path`, atomically (`records.write_json`)."""
+    records.write_json(path, self.to_json())
 
   @classmethod
   def load(cls, path: str) -> "TuneRecord":
