@@ -16,15 +16,15 @@ import time
 import jax
 import numpy as np
 
+from pflax._src.aggregators import cwfedavg as cw_lib
 import pflax
-from pflax._src import cwfedavg as cw_lib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def participants_only(model, optimizer, **keywords):
   """cwFedAvg with the class models of the round's participants only (the old rule)."""
-  algorithm = pflax.algorithms.class_wise_averaging(model, optimizer, **keywords)
+  algorithm = pflax.algorithms.cwfedavg(model, optimizer, **keywords)
 
   def server_update(state, trained, mask, key):
     new = algorithm.server_update(state, trained, mask, key)

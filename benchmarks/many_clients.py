@@ -34,10 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-import pflax
 from pflax import losses
 from pflax import models
 from pflax import train
+import pflax
 
 GIB = 2**30
 LR, CLASSES = 0.01, 10

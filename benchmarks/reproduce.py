@@ -33,10 +33,10 @@ from typing import Any
 import jax
 import numpy as np
 
-import pflax
 from pflax import algorithms
 from pflax import simulate
-from pflax._src.records import FINAL_WINDOW
+from pflax._src.simulation.records import FINAL_WINDOW
+import pflax
 
 ALGORITHMS = ("local", "fedavg", "fedprox", "cwfedavg", "fedclassavg", "fedsa",
               "feddwa", "fedrema")

@@ -18,7 +18,7 @@ import numpy as np
 
 from pflax import aggregate
 from pflax import simulate
-from pflax._src import engine
+from pflax._src.simulation import engine
 
 ROWS = {
     "no faults": ({}, {}),

@@ -87,7 +87,7 @@ def _config(dataset: str, args: argparse.Namespace) -> simulate.ExperimentConfig
 
 def _forward(task: tune.Task, rounds: int, seed: int) -> Callable[..., Any]:
   """A jitted R-round run vmapped over a batch of values: (loss, accuracy)."""
-  tests = float(np.sum(np.asarray(task.federation.test_valid)))
+  tests = float(np.sum(np.asarray(task.federation.test_mask)))
 
   def one(values):
     out = tune.validation_loss(task, values, seed=seed, rounds=rounds)

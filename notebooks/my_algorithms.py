@@ -7,7 +7,7 @@ Run them like pflax's own algorithms, from this directory:
 
 or from Python with `pflax.simulate.run(fedper, config, seed)`; see
 custom_algorithm.ipynb for a walk-through. pflax ships both as well
-(`pflax-run --algorithms fedper ditto`, `pflax.algorithms.personalization_layers`
+(`pflax-run --algorithms fedper ditto`, `pflax.algorithms.fedper`
 and `pflax.algorithms.ditto`): these are the one-page versions of the walk-through.
 """
 

@@ -2,7 +2,7 @@
 
 import sys
 
-from pflax._src.cli import main
+from pflax._src.cli.main import main
 
 if __name__ == "__main__":
   sys.exit(main())

@@ -1,25 +1,25 @@
 """Server-side aggregators: pure functions of stacked client pytrees."""
 
-from pflax._src.cwfedavg import class_models
-from pflax._src.cwfedavg import cw_fedavg
-from pflax._src.cwfedavg import personalize
-from pflax._src.fedavg import fedavg
-from pflax._src.fedavg import fedclassavg
-from pflax._src.feddwa import feddwa
-from pflax._src.fedrema import FedReMaState
-from pflax._src.fedrema import fedrema
-from pflax._src.fedrema import fedrema_init
-from pflax._src.fedrema import mds
-from pflax._src.fedrema import probe_logits
-from pflax._src.fedrema import relevance
-from pflax._src.fedrema import soft_logits
-from pflax._src.fedsa import fedsa
-from pflax._src.robust import capped_weights
-from pflax._src.robust import clip_updates
-from pflax._src.robust import log2_update_norms
-from pflax._src.robust import median
-from pflax._src.robust import trimmed_mean
-from pflax._src.weights import estimate_class_dist
+from pflax._src.aggregators.cwfedavg import class_models
+from pflax._src.aggregators.cwfedavg import cw_fedavg
+from pflax._src.aggregators.cwfedavg import personalize
+from pflax._src.aggregators.fedavg import fedavg
+from pflax._src.aggregators.fedavg import fedclassavg
+from pflax._src.aggregators.feddwa import feddwa
+from pflax._src.aggregators.fedrema import FedReMaState
+from pflax._src.aggregators.fedrema import fedrema
+from pflax._src.aggregators.fedrema import fedrema_init
+from pflax._src.aggregators.fedrema import mds
+from pflax._src.aggregators.fedrema import probe_logits
+from pflax._src.aggregators.fedrema import relevance
+from pflax._src.aggregators.fedrema import soft_logits
+from pflax._src.aggregators.fedsa import fedsa
+from pflax._src.aggregators.robust import capped_weights
+from pflax._src.aggregators.robust import clip_updates
+from pflax._src.aggregators.robust import log2_update_norms
+from pflax._src.aggregators.robust import median
+from pflax._src.aggregators.robust import trimmed_mean
+from pflax._src.core.weights import estimate_class_dist
 
 __all__ = (
     "FedReMaState",

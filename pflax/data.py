@@ -9,17 +9,18 @@ from pflax._src.data.augment import horizontal_flip
 from pflax._src.data.augment import random_resized_crop
 from pflax._src.data.augment import simclr
 from pflax._src.data.augment import translate
-from pflax._src.data.clients import ClientData
+from pflax._src.data.clients import StackedClients
 from pflax._src.data.clients import stack_clients
 from pflax._src.data.datasets import load
 from pflax._src.data.datasets import load_digits
 from pflax._src.data.datasets import load_tfds
 from pflax._src.data.dirichlet import dirichlet
-from pflax._src.data.files import load_idx
-from pflax._src.data.files import load_npz
+from pflax._src.data.federation import ClientData
 from pflax._src.data.federation import Federation
 from pflax._src.data.federation import federate
 from pflax._src.data.federation import stack_federations
+from pflax._src.data.files import load_idx
+from pflax._src.data.files import load_npz
 from pflax._src.data.groups import groups
 from pflax._src.data.partition import Partition
 from pflax._src.data.partition import class_counts
@@ -49,6 +50,7 @@ __all__ = (
     "pooled",
     "random_resized_crop",
     "simclr",
+    "StackedClients",
     "stack_clients",
     "stack_federations",
     "train_test_split",

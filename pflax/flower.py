@@ -19,25 +19,24 @@ what `flwr run` submits to your SuperLink, `write_certificates` and
 for clients that hold their own data (README, "A real federation with Flower").
 """
 
-from pflax._src.flower import Experiment
-from pflax._src.flower import InProcessGrid
-from pflax._src.flower import PflaxStrategy
-from pflax._src.flower import client_app
-from pflax._src.flower import client_id
-from pflax._src.flower import from_record
-from pflax._src.flower import in_process_nodes
-from pflax._src.flower import pack
-from pflax._src.flower import run_in_process
-from pflax._src.flower import server_app
-from pflax._src.flower import simulated_partition
-from pflax._src.flower import to_record
-from pflax._src.flower import unpack
-from pflax._src.flower_deploy import LocalFederation
-from pflax._src.flower_deploy import write_app
-from pflax._src.flower_deploy import write_run_config
-from pflax._src.flower_keys import write_certificates
-from pflax._src.flower_keys import write_node_key
-from pflax._src.protocol import ClientData
+from pflax._src.flower.apps import Experiment
+from pflax._src.flower.apps import InProcessGrid
+from pflax._src.flower.apps import PflaxStrategy
+from pflax._src.flower.apps import client_app
+from pflax._src.flower.apps import client_id
+from pflax._src.flower.apps import from_record
+from pflax._src.flower.apps import in_process_nodes
+from pflax._src.flower.apps import pack
+from pflax._src.flower.apps import run_in_process
+from pflax._src.flower.apps import server_app
+from pflax._src.flower.apps import simulated_partition
+from pflax._src.flower.apps import to_record
+from pflax._src.flower.apps import unpack
+from pflax._src.flower.deploy import LocalFederation
+from pflax._src.flower.deploy import write_app
+from pflax._src.flower.deploy import write_run_config
+from pflax._src.flower.keys import write_certificates
+from pflax._src.flower.keys import write_node_key
 
 clientapp = client_app()
 """The ClientApp of `pflax-run --flower` (its client of the simulated partition)."""
@@ -45,7 +44,6 @@ serverapp = server_app()
 """The ServerApp of `pflax-run --flower` (its experiment from the run config)."""
 
 __all__ = (
-    "ClientData",
     "Experiment",
     "InProcessGrid",
     "LocalFederation",

@@ -1,21 +1,21 @@
 """pflax's Flax models (``features`` and ``classifier`` submodules), and `Parts`:
 which layers of any Flax model pflax's methods read."""
 
-from pflax._src.models import CNN
-from pflax._src.models import ConvFeatures
-from pflax._src.models import DenseFeatures
-from pflax._src.models import FAMILIES
-from pflax._src.models import feature_dim
-from pflax._src.models import get_model
-from pflax._src.models import Head
-from pflax._src.models import heterogeneous_family
-from pflax._src.models import init_stacked
-from pflax._src.models import max_pool_2x2
-from pflax._src.models import MLP
-from pflax._src.models import mlp_family
-from pflax._src.parts import Parts
-from pflax._src.parts import model_parts
-from pflax._src.parts import output_kernel
+from pflax._src.training.models import CNN
+from pflax._src.training.models import ConvFeatures
+from pflax._src.training.models import DenseFeatures
+from pflax._src.training.models import FAMILIES
+from pflax._src.training.models import Head
+from pflax._src.training.models import MLP
+from pflax._src.training.models import feature_dim
+from pflax._src.training.models import get_model
+from pflax._src.training.models import heterogeneous_family
+from pflax._src.training.models import init_stacked
+from pflax._src.training.models import max_pool_2x2
+from pflax._src.training.models import mlp_family
+from pflax._src.training.parts import Parts
+from pflax._src.training.parts import model_parts
+from pflax._src.training.parts import output_kernel
 
 __all__ = (
     "CNN",

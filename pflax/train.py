@@ -1,19 +1,19 @@
 """Local training of all clients of a round, with the semantics of a per-client loop."""
 
-from pflax._src.mapping import STRATEGIES
-from pflax._src.mapping import bytes_per_client
-from pflax._src.mapping import chunk_size_for_budget
-from pflax._src.mapping import default_strategy
-from pflax._src.mapping import default_threads
-from pflax._src.mapping import map_clients
-from pflax._src.train import Batch
-from pflax._src.train import ClientResult
-from pflax._src.train import LossFn
-from pflax._src.train import batch_schedule
-from pflax._src.train import evaluate_client
-from pflax._src.train import init_opt_state
-from pflax._src.train import make_trainer
-from pflax._src.train import train_client
+from pflax._src.training.mapping import STRATEGIES
+from pflax._src.training.mapping import bytes_per_client
+from pflax._src.training.mapping import chunk_size_for_budget
+from pflax._src.training.mapping import default_strategy
+from pflax._src.training.mapping import default_threads
+from pflax._src.training.mapping import map_clients
+from pflax._src.training.train import Batch
+from pflax._src.training.train import ClientResult
+from pflax._src.training.train import LossFn
+from pflax._src.training.train import batch_schedule
+from pflax._src.training.train import evaluate_client
+from pflax._src.training.train import init_opt_state
+from pflax._src.training.train import make_trainer
+from pflax._src.training.train import train_client
 
 __all__ = (
     "Batch",

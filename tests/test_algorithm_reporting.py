@@ -10,11 +10,11 @@ import optax
 from pflax import algorithms
 from pflax import models
 from pflax import simulate
-from pflax._src import engine
-from pflax._src import losses
-from pflax._src import prng
-from pflax._src import records
-from pflax._src import train
+from pflax._src.core import prng
+from pflax._src.simulation import engine
+from pflax._src.simulation import records
+from pflax._src.training import losses
+from pflax._src.training import train
 
 SGD = optax.sgd(0.1)
 
@@ -38,7 +38,7 @@ def test_fedclassavg_personalized_model_is_own_features_with_own_classifier():
       params, {"classifier": {"output": {"kernel": jnp.asarray(swap),
                                          "bias": jnp.zeros(2)}}}, jnp.ones(2))
   model = models.MLP(2, hidden=(2, 2))
-  held = algorithms.classifier_averaging(model, SGD).evaluate(state)
+  held = algorithms.fedclassavg(model, SGD).evaluate(state)
   assert set(held) == {"personalized", "global"}
   x, y = jnp.asarray([[1.0, 0.0], [0.0, 2.0], [3.0, 1.0]]), jnp.asarray([0, 1, 0])
   apply = lambda p, x: model.apply({"params": p}, x)
@@ -61,7 +61,7 @@ def test_fedclassavg_supcon_receives_the_pre_relu_representation(monkeypatch):
   monkeypatch.setattr(losses, "supcon", spy)
   batch = train.Batch(jnp.asarray(x), jnp.asarray([0, 1, 1, 2]), jnp.ones(4, bool))
   head = {"classifier": {"output": params["classifier"]["output"]}}
-  algorithms.classifier_averaging(model, SGD).loss(params, head, batch, prng.key(0))
+  algorithms.fedclassavg(model, SGD).loss(params, head, batch, prng.key(0))
   f, c = params["features"]["dense_0"], params["classifier"]["hidden_0"]
   h = np.maximum(x.reshape(4, -1) @ f["kernel"] + f["bias"], 0.0)
   z = h @ c["kernel"] + c["bias"]
@@ -99,7 +99,7 @@ def test_accuracies_weighted_and_unweighted_over_clients():
 def test_feddwa_reports_exclusive_models_never_as_global():
   # Item 16.
   state = algorithms.ExclusiveModels({"w": jnp.zeros((2, 1))}, {"w": jnp.ones((2, 1))})
-  held = algorithms.dynamic_weight_averaging(models.MLP(2), SGD).evaluate(state)
+  held = algorithms.feddwa(models.MLP(2), SGD).evaluate(state)
   assert set(held) == {"personalized", "exclusive"}
   np.testing.assert_array_equal(held["personalized"]["w"], 1.0)
 

@@ -23,10 +23,10 @@ from pflax import data
 from pflax import models
 from pflax import simulate
 from pflax import train
-from pflax._src import engine
-from pflax._src import groups as groups_lib
-from pflax._src import prng
+from pflax._src.core import prng
 from pflax._src.data import federation as federation_lib
+from pflax._src.methods import groups as groups_lib
+from pflax._src.simulation import engine
 
 import references as ref
 
@@ -78,7 +78,7 @@ def _federation(num_samples):
   y = rng.integers(0, K, size=(m, L)).astype(np.int32)
   valid = np.arange(L)[None, :] < np.asarray(num_samples)[:, None]
   counts = np.stack([np.bincount(y[i][valid[i]], minlength=K) for i in range(m)])
-  return data.Federation(x=x, y=y, valid=valid, test_x=x, test_y=y, test_valid=valid,
+  return data.Federation(x=x, y=y, mask=valid, test_x=x, test_y=y, test_mask=valid,
                         counts=counts.astype(np.int32),
                         num_samples=np.asarray(num_samples, np.int32))
 
@@ -403,7 +403,7 @@ def test_apfl_gradients_reach_v_only_through_the_mixture():
 def test_apfl_adaptive_alpha_descends_its_gradient_within_0_and_1():
   """`adapt_alpha`: `alpha_i`'s gradient is `<v - w, grad CE(v-bar)>`, its SGD step
   is projected on [0, 1], and the server keeps the participants' new `alpha_i`."""
-  algorithm = algorithms.adaptive_personalization(
+  algorithm = algorithms.apfl(
       MODEL, simulate.client_optimizer("sgd", LR, MOMENTUM), alpha=0.3,
       adapt_alpha=True, alpha_lr=0.7)
   w, v = (_rows(_random_params(np.random.default_rng(seed), M), 0) for seed in (4, 5))
@@ -436,8 +436,8 @@ def test_fedclassavg_without_supcon_is_ce_on_the_first_view_plus_prox(rho):
   leaves CE alone. Random images, so the view is a real translation."""
   optimizer = simulate.client_optimizer("adam", ADAM_LR, adam_b1=ADAM_B1)
   kwargs = dict(KWARGS["fedclassavg"], rho=rho)
-  without = algorithms.classifier_averaging(MODEL, optimizer, supcon=False, **kwargs)
-  with_supcon = algorithms.classifier_averaging(MODEL, optimizer, **kwargs)
+  without = algorithms.fedclassavg(MODEL, optimizer, supcon=False, **kwargs)
+  with_supcon = algorithms.fedclassavg(MODEL, optimizer, **kwargs)
   rng = np.random.default_rng(6)
   batch = BATCH._replace(x=jnp.asarray(rng.uniform(size=(5, *IMAGE)), jnp.float32))
   state = _init(without)
@@ -650,7 +650,7 @@ def test_fedper_personalizes_the_classifier_by_default():
   (every Dense layer after the features); a selector of no layer or of every layer
   is refused."""
   optimizer = simulate.client_optimizer("sgd", LR, MOMENTUM)
-  fedper = algorithms.personalization_layers(MODEL, optimizer)
+  fedper = algorithms.fedper(MODEL, optimizer)
   state = fedper.server_update(_init(fedper), TRAINED, jnp.ones(M, bool), KEY)
   up = _np(TRAINED)
   features = _broadcast(ref.fedavg_ref(up["features"], N.astype(np.float64)), M)
@@ -658,7 +658,7 @@ def test_fedper_personalizes_the_classifier_by_default():
                                                      "classifier": up["classifier"]}})
   for personal in (lambda path, leaf: False, lambda path, leaf: True):
     with pytest.raises(ValueError, match="personal selects"):
-      _init(algorithms.personalization_layers(MODEL, optimizer, personal=personal))
+      _init(algorithms.fedper(MODEL, optimizer, personal=personal))
 
 
 # -------------------------------------------------------------- server steps

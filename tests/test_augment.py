@@ -17,13 +17,13 @@ from pflax import data
 from pflax import models
 from pflax import simulate
 from pflax import train
-from pflax._src import algorithm as alg
-from pflax._src import cli
-from pflax._src import losses
-from pflax._src import parts as parts_lib
-from pflax._src import prng
-from pflax._src import tree as tree_lib
+from pflax._src.cli import main as cli
+from pflax._src.core import prng
+from pflax._src.core import tree as tree_lib
 from pflax._src.data import augment
+from pflax._src.methods import algorithm as alg
+from pflax._src.training import losses
+from pflax._src.training import parts as parts_lib
 
 KEY = prng.key(0)
 VIEWS = ("translate", "simclr", "none")
@@ -164,23 +164,23 @@ def _fedclassavg_loss(algorithm, params, batch, key):
 
 @pytest.mark.parametrize("bad", ["crop", "None", ""])
 def test_builders_reject_unknown_augment(bad):
-  with pytest.raises(ValueError, match="classifier_averaging's augment must be one of"):
-    algorithms.classifier_averaging(MODEL, _optimizer(), augment=bad)
-  with pytest.raises(ValueError, match="local_training's augment must be one of"):
-    algorithms.local_training(MODEL, _optimizer(), augment=bad)
+  with pytest.raises(ValueError, match="fedclassavg's augment must be one of"):
+    algorithms.fedclassavg(MODEL, _optimizer(), augment=bad)
+  with pytest.raises(ValueError, match="local's augment must be one of"):
+    algorithms.local(MODEL, _optimizer(), augment=bad)
 
 
 def test_fedclassavg_augment_none_needs_supcon_off():
   with pytest.raises(ValueError, match="augment='none' needs supcon=False"):
-    algorithms.classifier_averaging(MODEL, _optimizer(), augment="none")
-  algorithms.classifier_averaging(MODEL, _optimizer(), augment="none", supcon=False)
+    algorithms.fedclassavg(MODEL, _optimizer(), augment="none")
+  algorithms.fedclassavg(MODEL, _optimizer(), augment="none", supcon=False)
 
 
 @pytest.mark.parametrize("name", VIEWS)
 def test_builders_accept_every_view(name):
-  algorithms.local_training(MODEL, _optimizer(), augment=name)
-  algorithms.classifier_averaging(MODEL, _optimizer(), augment=name,
-                                  supcon=name != "none")
+  algorithms.local(MODEL, _optimizer(), augment=name)
+  algorithms.fedclassavg(MODEL, _optimizer(), augment=name,
+                         supcon=name != "none")
 
 
 @pytest.mark.parametrize("supcon", [True, False])
@@ -189,11 +189,11 @@ def test_fedclassavg_default_loss_is_the_translate_path(supcon):
   before `augment=` existed: CE on `translate(k1, x)`, SupCon on it and
   `translate(k2, x)`, `(k1, k2) = split(key)`."""
   params, batch, key = _params(), _batch(), prng.key(5)
-  default = algorithms.classifier_averaging(MODEL, _optimizer(), rho=0.3,
-                                            supcon=supcon, supcon_temperature=2.0)
-  explicit = algorithms.classifier_averaging(MODEL, _optimizer(), rho=0.3,
-                                             supcon=supcon, supcon_temperature=2.0,
-                                             augment="translate")
+  default = algorithms.fedclassavg(MODEL, _optimizer(), rho=0.3,
+                                   supcon=supcon, supcon_temperature=2.0)
+  explicit = algorithms.fedclassavg(MODEL, _optimizer(), rho=0.3,
+                                    supcon=supcon, supcon_temperature=2.0,
+                                    augment="translate")
   q = jax.tree.map(lambda x: x[0], params)
   state = default.init(params, jnp.ones((2, K), jnp.int32), KEY)
   head = jax.tree.map(lambda x: x[0], default.client_context(state))
@@ -216,7 +216,7 @@ def test_local_default_loss_is_plain_cross_entropy():
   """`augment="none"` (the default) is the plain CE loss object, no key used."""
   params, batch = _params(), _batch()
   q = jax.tree.map(lambda x: x[0], params)
-  local = algorithms.local_training(MODEL, _optimizer())
+  local = algorithms.local(MODEL, _optimizer())
   plain = alg.cross_entropy_loss(MODEL)(q, None, batch, KEY)
   assert local.loss(q, None, batch, prng.key(1)) == plain
   assert local.loss(q, None, batch, prng.key(2)) == plain
@@ -227,7 +227,7 @@ def test_local_augmented_loss_is_ce_on_fedclassavgs_first_view(name):
   """Local with a view trains on the view FedClassAvg's CE sees for the same key."""
   params, batch, key = _params(), _batch(), prng.key(3)
   q = jax.tree.map(lambda x: x[0], params)
-  local = algorithms.local_training(MODEL, _optimizer(), augment=name)
+  local = algorithms.local(MODEL, _optimizer(), augment=name)
   view = augment.VIEWS[name](jax.random.split(key)[0], batch.x)
   expected = losses.cross_entropy(alg.logits(MODEL, q, view), batch.y, batch.mask)
   np.testing.assert_allclose(local.loss(q, None, batch, key), expected, rtol=1e-6)
@@ -236,8 +236,8 @@ def test_local_augmented_loss_is_ce_on_fedclassavgs_first_view(name):
 
 def test_fedclassavg_none_without_supcon_is_ce_on_the_batch():
   params, batch = _params(), _batch()
-  ca = algorithms.classifier_averaging(MODEL, _optimizer(), rho=0.0, supcon=False,
-                                       augment="none")
+  ca = algorithms.fedclassavg(MODEL, _optimizer(), rho=0.0, supcon=False,
+                              augment="none")
   q = jax.tree.map(lambda x: x[0], params)
   expected = losses.cross_entropy(alg.logits(MODEL, q, batch.x), batch.y, batch.mask)
   np.testing.assert_allclose(_fedclassavg_loss(ca, params, batch, prng.key(1)),
@@ -250,11 +250,11 @@ def test_simclr_losses_are_finite_under_jit_and_vmap():
   params, batch = _params(m=3), _batch()
   batches = jax.tree.map(lambda x: jnp.stack([x] * 3), batch)
   keys = jax.random.split(prng.key(9), 3)
-  ca = algorithms.classifier_averaging(MODEL, _optimizer(), rho=0.4, augment="simclr",
-                                       supcon_temperature=2.0)
+  ca = algorithms.fedclassavg(MODEL, _optimizer(), rho=0.4, augment="simclr",
+                              supcon_temperature=2.0)
   state = ca.init(params, jnp.ones((3, K), jnp.int32), KEY)
   heads = ca.client_context(state)
-  local = algorithms.local_training(MODEL, _optimizer(), augment="simclr")
+  local = algorithms.local(MODEL, _optimizer(), augment="simclr")
   for algorithm, context in ((ca, heads), (local, None)):
     fn = jax.jit(jax.vmap(jax.value_and_grad(algorithm.loss),
                           in_axes=(0, None if context is None else 0, 0, 0)))
@@ -273,7 +273,7 @@ def test_augment_reachable_through_config_and_cli_set():
                            ["fedclassavg.augment=simclr", "local.augment=simclr"])
   assert config.hyperparameters == {"fedclassavg": {"augment": "simclr"},
                                     "local": {"augment": "simclr"}}
-  from pflax._src import simulate as simulate_lib
+  from pflax._src.simulation import simulate as simulate_lib
   for name in ("local", "fedclassavg"):
     simulate_lib.check_algorithm(name, config)
   bad = cli._apply_sets(simulate.ExperimentConfig(), ["fedclassavg"],
@@ -288,7 +288,7 @@ def test_local_trainer_runs_on_simclr_views():
   step on SimCLR views changes the parameters and stays finite."""
   params, batch = _params(m=1), _batch()
   q = jax.tree.map(lambda x: x[0], params)
-  local = algorithms.local_training(MODEL, _optimizer(), augment="simclr")
+  local = algorithms.local(MODEL, _optimizer(), augment="simclr")
   grads = jax.jit(jax.grad(local.loss))(q, None, batch, prng.key(0))
   opt = local.optimizer
   updates, _ = opt.update(grads, opt.init(q), q)

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from pflax import simulate
-from pflax._src import cli
+from pflax._src.cli import main as cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--clients", "6", "--rounds", "2", "--model", "mlp", "--local-epochs", "1",
@@ -217,7 +217,7 @@ def _pflax_run(tmp_path, *flags):
   current one)."""
   script = tmp_path / "bin" / "pflax_run.py"
   script.parent.mkdir(exist_ok=True)
-  script.write_text("import sys\nfrom pflax._src.cli import main\nsys.exit(main())\n")
+  script.write_text("import sys\nfrom pflax._src.cli.main import main\nsys.exit(main())\n")
   env = dict(os.environ, PYTHONPATH=REPO)
   return subprocess.run([sys.executable, str(script), *flags], cwd=tmp_path / "work",
                         env=env, capture_output=True, text=True, check=False)

@@ -471,10 +471,10 @@ def test_federate_with_the_dataset_test_split():
                       test=(test_x, test_labels))
   dealt = data.deal_test_split(partition, test_labels, seed=3)
   for i, idx in enumerate(partition.indices):  # training: the whole partition
-    assert sorted(fed.x[i, fed.valid[i], 0].astype(int).tolist()) == idx.tolist()
-    tags = (-1 - fed.test_x[i, fed.test_valid[i], 0]).astype(int)
+    assert sorted(fed.x[i, fed.mask[i], 0].astype(int).tolist()) == idx.tolist()
+    tags = (-1 - fed.test_x[i, fed.test_mask[i], 0]).astype(int)
     assert sorted(tags.tolist()) == dealt.indices[i].tolist()
-    np.testing.assert_array_equal(fed.test_y[i, fed.test_valid[i]], test_labels[tags])
+    np.testing.assert_array_equal(fed.test_y[i, fed.test_mask[i]], test_labels[tags])
   np.testing.assert_array_equal(fed.counts, partition.counts)
   assert fed.x.shape[1] % 4 == 0
   with pytest.raises(ValueError, match=r"test_images must have shape \(T,\) \+ \(1,\)"):
@@ -496,7 +496,7 @@ def _learnable_digits(n=300):
 @pytest.mark.parametrize("kind", ["idx", "npz"])
 def test_pflax_run_takes_a_folder_or_an_npz_path(tmp_path, kind):
   """`pflax-run --dataset PATH` runs an experiment on the user's files."""
-  from pflax._src import cli  # pylint: disable=import-outside-toplevel
+  from pflax._src.cli import main as cli  # pylint: disable=import-outside-toplevel
   images, labels = _learnable_digits()
   if kind == "idx":
     path = tmp_path / "my-digits"
@@ -518,7 +518,7 @@ def test_pflax_run_takes_a_folder_or_an_npz_path(tmp_path, kind):
 
 
 def test_pflax_run_with_a_broken_file_is_one_line(tmp_path):
-  from pflax._src import cli  # pylint: disable=import-outside-toplevel
+  from pflax._src.cli import main as cli  # pylint: disable=import-outside-toplevel
   path = tmp_path / "broken.npz"
   path.write_bytes(b"not an archive")
   with pytest.raises(SystemExit) as info:

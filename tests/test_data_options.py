@@ -8,7 +8,7 @@ import pytest
 
 from pflax import data
 from pflax import simulate
-from pflax._src import cli
+from pflax._src.cli import main as cli
 
 CLI = ["--clients", "6", "--rounds", "2", "--model", "mlp", "--no-progress",
        "--no-compilation-cache"]
@@ -35,7 +35,7 @@ def _federation(dataset, seed=0, **fields):
 
 def _ids(fed, i, test=False):
   """Client i's sample ids (training, or test)."""
-  x, valid = (fed.test_x, fed.test_valid) if test else (fed.x, fed.valid)
+  x, valid = (fed.test_x, fed.test_mask) if test else (fed.x, fed.mask)
   return set(x[i, valid[i], 0].astype(int).tolist())
 
 
@@ -73,7 +73,7 @@ def test_groups_draw_exactly_samples_per_client_split_by_test_fraction():
   # Client 0 (labels 0, 1, 2 dominant): 20 IID, 2 of each class, 1 test each is
   # round(0.4) clipped to 1; the dominant 2 + 27, 2 + 27, 2 + 26: round(5.8) = 6
   # and round(5.6) = 6 test samples.
-  assert fed.test_valid[0].sum() == 3 * 6 + 7 * 1
+  assert fed.test_mask[0].sum() == 3 * 6 + 7 * 1
   with pytest.raises(ValueError, match="samples_per_client=1000 is infeasible"):
     _federation(ds, partition="groups", clients=10, samples_per_client=1000)
 
@@ -82,7 +82,7 @@ def test_groups_draw_exactly_samples_per_client_split_by_test_fraction():
 def test_test_fraction_sets_each_clients_split(fraction):
   # 4 clients of 2 classes on 400 samples of 4 classes: 50 of each class each.
   fed = _federation(_dataset(), classes_per_client=2, test_fraction=fraction)
-  tests = fed.test_valid.sum(axis=1)
+  tests = fed.test_mask.sum(axis=1)
   assert tests.tolist() == [2 * round(50 * fraction)] * 4
   assert fed.num_samples.tolist() == [100 - t for t in tests]
 
@@ -103,11 +103,11 @@ def test_dataset_split_tests_each_client_on_the_test_split():
     assert _ids(fed, i, test=True) and all(j >= TEST_OFFSET
                                            for j in _ids(fed, i, test=True))
   assert fed.num_samples.sum() == 400                 # the whole train split
-  assert fed.test_valid.sum() == 200                  # the whole test split, dealt
+  assert fed.test_mask.sum() == 200                  # the whole test split, dealt
   # Dealt with each client's classes: 2 classes each, 50 test samples of each
   # class shared by its 2 holders.
-  labels = [set(fed.test_y[i, fed.test_valid[i]].tolist()) for i in range(4)]
-  assert all(labels[i] == set(fed.y[i, fed.valid[i]].tolist()) for i in range(4))
+  labels = [set(fed.test_y[i, fed.test_mask[i]].tolist()) for i in range(4)]
+  assert all(labels[i] == set(fed.y[i, fed.mask[i]].tolist()) for i in range(4))
 
 
 def test_dataset_split_needs_a_test_split():

@@ -14,13 +14,13 @@ import optax
 import pytest
 from flax import serialization
 
-import pflax
 from pflax import algorithms
 from pflax import models
 from pflax import simulate
-from pflax._src import engine
-from pflax._src import groups
-from pflax._src import prng
+from pflax._src.core import prng
+from pflax._src.methods import groups
+from pflax._src.simulation import engine
+import pflax
 
 CONFIG = simulate.ExperimentConfig(clients=6, rounds=2, model="mlp", local_epochs=1)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -107,7 +107,7 @@ def test_import_pflax_reaches_every_namespace():
   names, functions = out.stdout.strip().splitlines()
   assert names == str(["aggregate", "algorithms", "data", "losses", "models",
                        "simulate", "train", "tree", "tune"])
-  assert functions == "sweep federated_averaging"
+  assert functions == "sweep fedavg"
 
 
 def test_public_names_are_unique_across_namespaces():
@@ -178,7 +178,7 @@ def _two_architectures():
 def test_heterogeneous_classifier_averaging_averages_heads_across_architectures():
   family = _two_architectures()
   wrapped = algorithms.heterogeneous(
-      lambda m: algorithms.classifier_averaging(m, optax.sgd(0.1)), family)
+      lambda m: algorithms.fedclassavg(m, optax.sgd(0.1)), family)
   het = groups.as_groups(wrapped, family[0], num_clients=5)
   assert [list(c) for c in het.clients] == [[0, 2, 4], [1, 3]]
   rng = np.random.default_rng(0)

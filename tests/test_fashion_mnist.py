@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from pflax._src import cli
+from pflax._src.cli import main as cli
 from pflax._src.data import datasets
 
 pytestmark = pytest.mark.skipif(

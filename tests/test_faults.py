@@ -22,10 +22,10 @@ from flax import serialization
 from pflax import algorithms
 from pflax import simulate
 from pflax import train
-from pflax._src import cli
-from pflax._src import engine
-from pflax._src import prng
-from pflax._src import simulate as simulate_lib
+from pflax._src.cli import main as cli
+from pflax._src.core import prng
+from pflax._src.simulation import engine
+from pflax._src.simulation import simulate as simulate_lib
 
 NAMES = tuple(algorithms.BUILDERS)
 # End-to-end runs of every algorithm: the stateful ones (a global model, per-client

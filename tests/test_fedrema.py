@@ -352,7 +352,7 @@ def test_default_where_on_a_plain_flax_cnn_is_an_error():
 
 def test_eager_calls_reuse_one_compilation():
   # Issue 11 item 17: eager calls run module-level jitted implementations.
-  from pflax._src import fedrema as rema_lib
+  from pflax._src.aggregators import fedrema as rema_lib
   rng = np.random.default_rng(10)
   params, n = ref.random_params(rng, 5), rng.integers(1, 9, 5).astype(np.float32)
   sizes = [f._cache_size() for f in (rema_lib._fedrema, rema_lib._relevance,

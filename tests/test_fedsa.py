@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pflax import aggregate as agg
-from pflax._src import fedsa as fedsa_lib
+from pflax._src.aggregators import fedsa as fedsa_lib
 
 import references as ref
 

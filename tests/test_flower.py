@@ -15,9 +15,9 @@ from flwr.supercore import task_identity  # pylint: disable=wrong-import-positio
 
 from pflax import flower  # pylint: disable=wrong-import-position
 from pflax import simulate  # pylint: disable=wrong-import-position
-from pflax._src import cli  # pylint: disable=wrong-import-position
-from pflax._src import engine  # pylint: disable=wrong-import-position
-from pflax._src import flower as flower_src  # pylint: disable=wrong-import-position
+from pflax._src.cli import main as cli  # pylint: disable=wrong-import-position
+from pflax._src.flower import apps as flower_src  # pylint: disable=wrong-import-position
+from pflax._src.simulation import engine  # pylint: disable=wrong-import-position
 
 CONFIG = simulate.ExperimentConfig(clients=4, rounds=3, local_epochs=1)
 
@@ -171,7 +171,7 @@ def test_registration_stacks_the_clients_by_id_whatever_the_reply_order():
   assert strategy.nodes == {3 - i: i + 1 for i in range(4)}
   federation = simulate.prepare(CONFIG, 0).federation
   np.testing.assert_array_equal(strategy.class_counts, federation.counts)
-  np.testing.assert_array_equal(strategy.tests, federation.test_valid.sum(axis=1))
+  np.testing.assert_array_equal(strategy.tests, federation.test_mask.sum(axis=1))
 
 
 def test_a_node_without_partition_id_says_how_to_start_it():

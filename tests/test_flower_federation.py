@@ -13,7 +13,7 @@ pytest.importorskip("flwr")
 
 from pflax import flower  # pylint: disable=wrong-import-position
 from pflax import simulate  # pylint: disable=wrong-import-position
-from pflax._src import cli  # pylint: disable=wrong-import-position
+from pflax._src.cli import main as cli  # pylint: disable=wrong-import-position
 
 pytestmark = pytest.mark.slow
 

@@ -15,8 +15,8 @@ from cryptography import x509  # pylint: disable=wrong-import-position
 from cryptography.hazmat.primitives import serialization  # pylint: disable=wrong-import-position
 from cryptography.hazmat.primitives.asymmetric import ec  # pylint: disable=wrong-import-position
 
-from pflax._src import flower_guard  # pylint: disable=wrong-import-position
-from pflax._src import flower_keys  # pylint: disable=wrong-import-position
+from pflax._src.flower import guard as flower_guard  # pylint: disable=wrong-import-position
+from pflax._src.flower import keys as flower_keys  # pylint: disable=wrong-import-position
 
 
 def _mode(path):
@@ -71,7 +71,7 @@ def test_sweep_kills_exactly_the_marked_processes():
 
 
 def test_a_deployment_past_the_available_memory_fails_before_starting(monkeypatch):
-  flower_deploy = pytest.importorskip("pflax._src.flower_deploy")
+  flower_deploy = pytest.importorskip("pflax._src.flower.deploy")
   needed = flower_deploy.deployment_memory(8)
   assert needed == (flower_deploy.DEPLOYMENT_FIXED
                     + 8 * flower_deploy.DEPLOYMENT_PER_CLIENT)
@@ -92,8 +92,8 @@ def test_a_deployment_past_the_available_memory_fails_before_starting(monkeypatc
 
 def test_pflax_run_refuses_a_deployment_past_memory_in_one_line(tmp_path, monkeypatch):
   pytest.importorskip("flwr")
-  from pflax._src import cli  # pylint: disable=import-outside-toplevel
-  from pflax._src import flower_deploy  # pylint: disable=import-outside-toplevel
+  from pflax._src.cli import main as cli  # pylint: disable=import-outside-toplevel
+  from pflax._src.flower import deploy as flower_deploy  # pylint: disable=import-outside-toplevel
   monkeypatch.setattr(flower_deploy, "available_memory", lambda: 2**30)
   with pytest.raises(SystemExit) as info:
     cli.main(["--flower", "--algorithms", "fedavg", "--clients", "4",
@@ -104,7 +104,7 @@ def test_pflax_run_refuses_a_deployment_past_memory_in_one_line(tmp_path, monkey
 
 
 def test_flower_insecure_without_flower_is_one_line(tmp_path):
-  from pflax._src import cli  # pylint: disable=import-outside-toplevel
+  from pflax._src.cli import main as cli  # pylint: disable=import-outside-toplevel
   with pytest.raises(SystemExit, match="^pflax-run: --flower-insecure is for --flower"):
     cli.main(["--flower-insecure", "--out", str(tmp_path / "out"), "--no-progress"])
 
@@ -114,6 +114,6 @@ def test_flower_insecure_without_flower_is_one_line(tmp_path):
     (dict(node_env={0: {"A": "1"}}, simulation=True), "node_env is for a deployment's"),
 ])
 def test_node_env_names_existing_supernodes_of_a_deployment(kwargs, match):
-  from pflax._src import flower_deploy  # pylint: disable=import-outside-toplevel
+  from pflax._src.flower import deploy as flower_deploy  # pylint: disable=import-outside-toplevel
   with pytest.raises(ValueError, match=match):
     flower_deploy.LocalFederation(4, **kwargs)

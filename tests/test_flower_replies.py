@@ -18,8 +18,8 @@ from flwr.supercore import task_identity  # pylint: disable=wrong-import-positio
 
 from pflax import flower  # pylint: disable=wrong-import-position
 from pflax import simulate  # pylint: disable=wrong-import-position
-from pflax._src import flower as flower_src  # pylint: disable=wrong-import-position
-from pflax._src import records  # pylint: disable=wrong-import-position
+from pflax._src.flower import apps as flower_src  # pylint: disable=wrong-import-position
+from pflax._src.simulation import records  # pylint: disable=wrong-import-position
 
 CONFIG = simulate.ExperimentConfig(clients=4, rounds=1, local_epochs=1)
 BAD = 2   # the client whose reply is malformed

@@ -18,10 +18,10 @@ import pytest
 pytest.importorskip("flwr")
 
 from pflax import flower  # pylint: disable=wrong-import-position
-from pflax._src import flower_deploy  # pylint: disable=wrong-import-position
-from pflax._src import flower_guard  # pylint: disable=wrong-import-position
+from pflax._src.flower import deploy as flower_deploy  # pylint: disable=wrong-import-position
+from pflax._src.flower import guard as flower_guard  # pylint: disable=wrong-import-position
 import processes  # pylint: disable=wrong-import-position
-from pflax._src import flower_keys  # pylint: disable=wrong-import-position
+from pflax._src.flower import keys as flower_keys  # pylint: disable=wrong-import-position
 
 pytestmark = pytest.mark.slow
 

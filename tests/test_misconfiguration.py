@@ -9,8 +9,8 @@ import pytest
 
 from pflax import data
 from pflax import simulate
-from pflax._src import cli
-from pflax._src import simulate as simulate_lib
+from pflax._src.cli import main as cli
+from pflax._src.simulation import simulate as simulate_lib
 
 CONFIG = simulate.ExperimentConfig(clients=6, rounds=1, model="mlp", local_epochs=1)
 QUIET = ["--no-progress", "--no-compilation-cache"]
@@ -143,7 +143,7 @@ def test_more_clients_than_a_batch_of_data_each_warns():
       "clients: 500 of 500 clients have fewer training samples than batch_size 10 "
       "(the fewest: ")
   assert "fill one batch for at most 100 clients" in messages[0]
-  untested = int(np.sum(setup.federation.test_valid.sum(axis=1) == 0))
+  untested = int(np.sum(setup.federation.test_mask.sum(axis=1) == 0))
   assert untested > 0 and messages[1] == (
       f"clients: {untested} of 500 clients have no test sample; their accuracy is not "
       "measured (left out of the per-client mean and std).")

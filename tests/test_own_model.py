@@ -17,8 +17,8 @@ from pflax import models
 from pflax import simulate
 from pflax import train
 from pflax import tree
-from pflax._src import engine
-from pflax._src import simulate as simulate_lib
+from pflax._src.simulation import engine
+from pflax._src.simulation import simulate as simulate_lib
 
 ALGORITHMS = tuple(algorithms.BUILDERS)
 
@@ -160,12 +160,12 @@ def test_fedrema_needs_the_function_of_a_classifier_of_several_layers(digits):
 
 
 def test_builders_ask_for_the_parts_of_a_model_that_is_not_pflaxs():
-  for builder in (algorithms.class_wise_averaging, algorithms.classifier_averaging,
-                  algorithms.relevant_client_matching):
+  for builder in (algorithms.cwfedavg, algorithms.fedclassavg,
+                  algorithms.fedrema):
     with pytest.raises(ValueError, match=r"PlainMLP.*parts=pflax.models.model_parts"):
       builder(PlainMLP(), optax.sgd(0.1))
-  algorithms.class_wise_averaging(PlainMLP(), optax.sgd(0.1),
-                                  parts=models.Parts(output=tree.under("Dense_2")))
+  algorithms.cwfedavg(PlainMLP(), optax.sgd(0.1),
+                      parts=models.Parts(output=tree.under("Dense_2")))
 
 
 def test_heterogeneous_refuses_a_model_of_your_own(digits):
@@ -176,7 +176,7 @@ def test_heterogeneous_refuses_a_model_of_your_own(digits):
 
 def test_a_custom_algorithm_that_reads_pflax_names_is_refused_before_training(digits):
   def needs_pflax_names(model, optimizer):
-    fedavg = algorithms.federated_averaging(model, optimizer)
+    fedavg = algorithms.fedavg(model, optimizer)
     return fedavg._replace(server_update=lambda state, trained, mask, key: state._replace(
         model=jax.tree.map(lambda x: x[0], trained["classifier"])))
   with pytest.raises(ValueError, match="needs_pflax_names cannot run on model "

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from pflax._src import cli
-from pflax._src import presets
 from pflax import simulate
+from pflax._src.cli import main as cli
+from pflax._src.simulation import presets
 
 
 @pytest.mark.parametrize("name", presets.names())

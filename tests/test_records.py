@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pflax import simulate
-from pflax._src import records
+from pflax._src.simulation import records
 
 
 def _history(accuracies, evaluated=None):

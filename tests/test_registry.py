@@ -8,10 +8,10 @@ import pytest
 
 from pflax import algorithms
 from pflax import simulate
-from pflax._src import cli
-from pflax._src.methods import registry
 from pflax._src import methods as methods_pkg
-from pflax._src import simulate as simulate_lib
+from pflax._src.cli import main as cli
+from pflax._src.methods import registry
+from pflax._src.simulation import simulate as simulate_lib
 
 # Modules of pflax._src.methods that are not a method.
 HELPERS = ("common", "phases", "registry")

@@ -1,7 +1,7 @@
 """Absurd uploads and lies (issue 22, item 4): the outlier rule, the robust
 options of global-model methods, and the fault kinds that measure them.
 
-Each aggregator of pflax._src.robust is compared to its float64 reference in
+Each aggregator of pflax._src.aggregators.robust is compared to its float64 reference in
 tests/references.py; the conformance harness runs `median`, `trimmed_mean` and
 FedAvg with capped weights too.
 """
@@ -21,9 +21,9 @@ from pflax import aggregate as agg
 from pflax import algorithms
 from pflax import models
 from pflax import simulate
-from pflax._src import engine
-from pflax._src import protocol
-from pflax._src import simulate as simulate_lib
+from pflax._src.simulation import engine
+from pflax._src.simulation import protocol
+from pflax._src.simulation import simulate as simulate_lib
 
 import references as ref
 
@@ -134,7 +134,7 @@ def test_outlier_rule():
 def test_federation_drops_an_absurd_upload_like_the_engine():
   """`protocol.server_step` applies `engine.healthy_clients`: a 1e30 update is
   dropped from the round, the others are averaged."""
-  fedavg = algorithms.federated_averaging(models.MLP(3), optax.sgd(0.1))
+  fedavg = algorithms.fedavg(models.MLP(3), optax.sgd(0.1))
   m = 4
   state = algorithms.GlobalModel({"w": jnp.zeros(2)}, jnp.ones(m))
   tasks = protocol.Tasks(clients=np.arange(m), starts={"w": jnp.zeros((m, 2))},
@@ -158,7 +158,7 @@ def test_builder_options_reach_the_server_step():
   state = algorithms.GlobalModel({"w": jnp.zeros(1)},
                                  jnp.array([1.0, 1.0, 1.0, 1.0, 96.0]))
   mask = jnp.ones(m, bool)
-  run = lambda **kw: algorithms.federated_averaging(
+  run = lambda **kw: algorithms.fedavg(
       models.MLP(3), optax.sgd(0.1), **kw).server_update(
           state, trained, mask, None).model["w"][0]
   assert run() == pytest.approx((10 + 96e6) / 100)
@@ -166,13 +166,13 @@ def test_builder_options_reach_the_server_step():
   assert run(robust="trimmed_mean", trim_fraction=0.2) == 3.0
   assert run(max_share=0.2) == pytest.approx((10 + 1e6) / 5)
   assert run(clip_norm=2.0) == pytest.approx((1 + 2 + 2 + 2 + 96 * 2) / 100)
-  prox = algorithms.federated_proximal(models.MLP(3), optax.sgd(0.1), robust="median")
+  prox = algorithms.fedprox(models.MLP(3), optax.sgd(0.1), robust="median")
   assert prox.server_update(state, trained, mask, None).model["w"][0] == 3.0
   with pytest.raises(ValueError, match="robust"):
-    algorithms.federated_averaging(models.MLP(3), optax.sgd(0.1), robust="mean")
+    algorithms.fedavg(models.MLP(3), optax.sgd(0.1), robust="mean")
   with pytest.raises(ValueError, match="max_share"):
-    algorithms.federated_averaging(models.MLP(3), optax.sgd(0.1), robust="median",
-                                   max_share=0.2)
+    algorithms.fedavg(models.MLP(3), optax.sgd(0.1), robust="median",
+                      max_share=0.2)
 
 
 # ----------------------------------------------------- fault kinds, end to end
@@ -211,7 +211,7 @@ def test_fault_fields_are_checked():
 
 
 def test_set_reaches_the_robust_keywords():
-  from pflax._src import cli  # pylint: disable=import-outside-toplevel
+  from pflax._src.cli import main as cli  # pylint: disable=import-outside-toplevel
   config = cli._apply_sets(simulate.ExperimentConfig(), ["fedavg", "fedprox"],
                            ["max_share=0.2", "fedavg.robust=median"])
   assert config.hyperparameters == {"fedavg": {"max_share": 0.2, "robust": "median"},

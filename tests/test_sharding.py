@@ -18,7 +18,7 @@ SCRIPT = textwrap.dedent("""
     import jax
     import numpy as np
     from pflax import simulate
-    from pflax._src import simulate as simulate_lib
+    from pflax._src.simulation import simulate as simulate_lib
 
     name, devices = sys.argv[1], int(sys.argv[2])
     config = simulate.ExperimentConfig(clients=6, rounds=2, model="mlp", strategy="vmap",
@@ -104,7 +104,7 @@ def test_pad_clients_appends_empty_clients():
   fed = data.stack_federations([simulate.prepare(config, 0).federation])
   padded = federation.pad_clients(fed, 4)
   assert padded.x.shape[1] == 4 and padded.counts.shape[1] == 4
-  assert not padded.valid[:, 3].any() and not padded.test_valid[:, 3].any()
+  assert not padded.mask[:, 3].any() and not padded.test_mask[:, 3].any()
   assert int(padded.num_samples[0, 3]) == 0
 
 

@@ -12,11 +12,11 @@ import pytest
 
 from pflax import algorithms
 from pflax import simulate
-from pflax._src import cli
-from pflax._src import engine
-from pflax._src import prng
-from pflax._src.algorithm import EVALUATED
-from pflax._src.records import FINAL_WINDOW
+from pflax._src.cli import main as cli
+from pflax._src.core import prng
+from pflax._src.methods.algorithm import EVALUATED
+from pflax._src.simulation import engine
+from pflax._src.simulation.records import FINAL_WINDOW
 
 CONFIG = simulate.ExperimentConfig(clients=6, rounds=3, model="mlp", eval_every=1,
                                    local_epochs=1)

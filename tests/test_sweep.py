@@ -9,8 +9,8 @@ import pytest
 
 from pflax import simulate
 from pflax import train
-from pflax._src import sharding
-from pflax._src.algorithm import EVALUATED
+from pflax._src.methods.algorithm import EVALUATED
+from pflax._src.simulation import sharding
 
 CONFIG = simulate.ExperimentConfig(clients=6, rounds=3, model="mlp", strategy="vmap",
                                    local_epochs=1)
@@ -26,7 +26,7 @@ def _tolerances(setup):
   """One test sample of slack, as float rounding may flip a near-tie prediction:
   1/total for sample-weighted accuracies; a flip of client i moves the unweighted
   mean over M clients by 1/(M n_i) and their std by at most 1/(sqrt(M) n_i)."""
-  tests = np.asarray(setup.federation.test_valid.sum(axis=1))
+  tests = np.asarray(setup.federation.test_mask.sum(axis=1))
   return 1.0 / tests.sum() + 1e-9, 1.0 / (np.sqrt(len(tests)) * tests.min()) + 1e-9
 
 
@@ -146,9 +146,9 @@ def test_each_swept_value_meets_the_builders_range(name, field, value, match):
 
 def test_any_float_keyword_of_a_builder_is_sweepable():
   from pflax import algorithms  # pylint: disable=import-outside-toplevel
-  assert simulate.sweepable(algorithms.class_wise_averaging) == ("lr", "wdr_coef")
-  assert simulate.sweepable(algorithms.federated_averaging) == ("lr", "trim_fraction")
-  assert set(simulate.sweepable(algorithms.classifier_averaging)) == {
+  assert simulate.sweepable(algorithms.cwfedavg) == ("lr", "wdr_coef")
+  assert simulate.sweepable(algorithms.fedavg) == ("lr", "trim_fraction")
+  assert set(simulate.sweepable(algorithms.fedclassavg)) == {
       "lr", "rho", "supcon_temperature", "supcon_base_temperature"}
 
 

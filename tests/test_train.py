@@ -11,8 +11,8 @@ import pytest
 
 from pflax import losses
 from pflax import train
-from pflax._src import mapping
-from pflax._src import train as train_lib
+from pflax._src.training import mapping
+from pflax._src.training import train as train_lib
 
 M, L, D, K, B = 4, 13, 5, 3, 4
 

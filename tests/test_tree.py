@@ -222,7 +222,7 @@ def test_under_multi_name_means_consecutive_modules():
 
 
 def test_required_selection_names_where_and_lists_keys():
-  from pflax._src import tree as tree_lib       # the shared boundary helper
+  from pflax._src.core import tree as tree_lib       # the shared boundary helper
   tree = {"Conv_0": {"kernel": 1.0}, "Dense_0": {"kernel": 2.0, "bias": 3.0}}
   assert tree_lib.required_selection(tree, ptree.under("Dense_0")) == [
       False, True, True]

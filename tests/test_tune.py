@@ -15,8 +15,8 @@ import pytest
 from pflax import models
 from pflax import simulate
 from pflax import tune
-from pflax._src import cli
-from pflax._src import engine
+from pflax._src.cli import main as cli
+from pflax._src.simulation import engine
 
 ROUNDS = 2
 CONFIG = simulate.ExperimentConfig(
@@ -144,15 +144,15 @@ def test_loop_strategy_is_refused(setup):
 def test_validation_is_held_out_of_the_training_split(setup):
   fed = setup.federation
   train, val = tune.hold_out(fed, 0.25, seed=0, batch_size=CONFIG.batch_size)
-  assert np.array_equal(train.num_samples + val.valid.sum(1), fed.num_samples)
-  assert (val.valid.sum(1) > 0).all() and (train.num_samples > 0).all()
+  assert np.array_equal(train.num_samples + val.mask.sum(1), fed.num_samples)
+  assert (val.mask.sum(1) > 0).all() and (train.num_samples > 0).all()
   np.testing.assert_array_equal(train.counts.sum(1), train.num_samples)
-  for kept in ("test_x", "test_y", "test_valid"):     # the test split is untouched
+  for kept in ("test_x", "test_y", "test_mask"):     # the test split is untouched
     np.testing.assert_array_equal(getattr(train, kept), getattr(fed, kept))
   for i in range(CONFIG.clients):                     # each sample on one side only
     rows = lambda x, v: {r.tobytes() for r in x[i][v[i]]}
-    both = rows(train.x, train.valid) | rows(val.x, val.valid)
-    assert len(both) == len(rows(fed.x, fed.valid))
+    both = rows(train.x, train.mask) | rows(val.x, val.mask)
+    assert len(both) == len(rows(fed.x, fed.mask))
 
 
 def test_memory_grows_with_the_carry_not_with_the_rounds(setup):

@@ -9,7 +9,7 @@ import numpy.typing as npt
 from pflax._src.data import _validation
 
 
-class ClientData(NamedTuple):
+class StackedClients(NamedTuple):
   """Samples of `M` clients padded to a common length `L`.
 
   Attributes:
@@ -31,7 +31,7 @@ def stack_clients(
     indices: Sequence[npt.ArrayLike],
     *,
     pad_to_multiple: int = 1,
-) -> ClientData:
+) -> StackedClients:
   """Gathers each client's samples and zero-pads them to a common length.
 
   `L = ceil(max_i n_i / pad_to_multiple) * pad_to_multiple`, so with
@@ -45,7 +45,7 @@ def stack_clients(
     pad_to_multiple: `L` is rounded up to a multiple of this (>= 1).
 
   Returns:
-    A `ClientData` of NumPy arrays.
+    A `StackedClients` of NumPy arrays.
 
   Example:
     >>> data = stack_clients(np.ones((5, 2)), np.arange(5), [[0, 1, 2], [4]],
@@ -73,4 +73,4 @@ def stack_clients(
     x[i, :len(idx)] = images[idx]
     y[i, :len(idx)] = labels[idx]
   mask = np.arange(length) < num_samples[:, None]
-  return ClientData(x, y, mask, num_samples)
+  return StackedClients(x, y, mask, num_samples)

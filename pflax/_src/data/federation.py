@@ -10,23 +10,52 @@ from pflax._src.data import partition as partition_lib
 from pflax._src.data import split as split_lib
 
 
+class ClientData(NamedTuple):
+  """One client's data: a row of a `Federation` (e.g. a Flower node's own data).
+
+  Attributes:
+    x, y, mask: training inputs `(L, ...)`, labels `(L,)` and `(L,)` bool, True
+      on real samples.
+    test_x, test_y, test_mask: its test split, likewise.
+    num_classes: K, the number of classes of the task.
+  """
+  x: np.ndarray
+  y: np.ndarray
+  mask: np.ndarray
+  test_x: np.ndarray
+  test_y: np.ndarray
+  test_mask: np.ndarray
+  num_classes: int
+
+  def class_counts(self) -> np.ndarray:
+    """`(K,)` int32 training samples per class."""
+    labels = np.asarray(self.y)[np.asarray(self.mask)]
+    return np.bincount(labels, minlength=self.num_classes).astype(np.int32)
+
+
 class Federation(NamedTuple):
   """Clients' data as stacked arrays (see `stack_clients`).
 
   Attributes:
-    x, y, valid: training inputs `(M, L, ...)`, labels `(M, L)`, mask `(M, L)`.
-    test_x, test_y, test_valid: the clients' test splits.
+    x, y, mask: training inputs `(M, L, ...)`, labels `(M, L)`, and `(M, L)` bool,
+      True on real samples.
+    test_x, test_y, test_mask: the clients' test splits.
     counts: `(M, K)` training class counts `n_ij`.
     num_samples: `(M,)` training-set sizes `n_i`.
   """
   x: np.ndarray
   y: np.ndarray
-  valid: np.ndarray
+  mask: np.ndarray
   test_x: np.ndarray
   test_y: np.ndarray
-  test_valid: np.ndarray
+  test_mask: np.ndarray
   counts: np.ndarray
   num_samples: np.ndarray
+
+  def client(self, i: int) -> ClientData:
+    """Client `i`'s row."""
+    return ClientData(self.x[i], self.y[i], self.mask[i], self.test_x[i], self.test_y[i],
+                      self.test_mask[i], self.counts.shape[1])
 
 
 def _test_split(test, sample_shape: tuple[int, ...]) -> tuple[np.ndarray, object]:
@@ -71,12 +100,12 @@ def federate(images: np.ndarray, labels: np.ndarray,
     >>> labels = np.repeat(np.arange(4), 10)
     >>> part = data.pathological(labels, 2, 2, num_classes=4, seed=0)
     >>> fed = data.federate(np.zeros((40, 3), np.float32), labels, part, seed=0)
-    >>> fed.counts.shape, int(fed.num_samples.sum() + fed.test_valid.sum())
+    >>> fed.counts.shape, int(fed.num_samples.sum() + fed.test_mask.sum())
     ((2, 4), 40)
     >>> test = (np.ones((8, 3), np.float32), np.repeat(np.arange(4), 2))
     >>> fed = data.federate(np.zeros((40, 3), np.float32), labels, part, seed=0,
     ...                     test=test)
-    >>> fed.num_samples.tolist(), fed.test_valid.sum(axis=1).tolist()
+    >>> fed.num_samples.tolist(), fed.test_mask.sum(axis=1).tolist()
     ([20, 20], [4, 4])
   """
   if test is None:
@@ -109,9 +138,9 @@ def stack_federations(feds: Sequence[Federation]) -> Federation:
   test_len = max(f.test_x.shape[1] for f in feds)
   pad = lambda f: f._replace(
       x=_pad_axis1(f.x, train_len), y=_pad_axis1(f.y, train_len),
-      valid=_pad_axis1(f.valid, train_len), test_x=_pad_axis1(f.test_x, test_len),
+      mask=_pad_axis1(f.mask, train_len), test_x=_pad_axis1(f.test_x, test_len),
       test_y=_pad_axis1(f.test_y, test_len),
-      test_valid=_pad_axis1(f.test_valid, test_len))
+      test_mask=_pad_axis1(f.test_mask, test_len))
   return Federation(*(np.stack(xs) for xs in zip(*(pad(f) for f in feds))))
 
 

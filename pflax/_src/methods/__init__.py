@@ -4,7 +4,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from pflax._src import algorithm as alg
+from pflax._src.methods import algorithm as alg
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

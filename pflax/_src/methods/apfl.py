@@ -8,12 +8,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from pflax._src import algorithm as alg
-from pflax._src import fedavg as fedavg_lib
 from pflax._src import methods
-from pflax._src import tree as tree_lib
-from pflax._src import types
-from pflax._src import weights as weights_lib
+from pflax._src.aggregators import fedavg as fedavg_lib
+from pflax._src.core import tree as tree_lib
+from pflax._src.core import types
+from pflax._src.core import weights as weights_lib
+from pflax._src.methods import algorithm as alg
 from pflax._src.methods import common
 from pflax._src.methods import phases
 
@@ -53,9 +53,9 @@ def _optimizer(optimizer: optax.GradientTransformation, adapt_alpha: bool,
                                labels)
 
 
-def adaptive_personalization(model: nn.Module, optimizer: optax.GradientTransformation,
-                             *, alpha: float = 0.5, adapt_alpha: bool = False,
-                             alpha_lr: float = 0.05) -> alg.Algorithm:
+def apfl(model: nn.Module, optimizer: optax.GradientTransformation,
+         *, alpha: float = 0.5, adapt_alpha: bool = False,
+         alpha_lr: float = 0.05) -> alg.Algorithm:
   """APFL (Deng, Kamani, Mahdavi, "Adaptive Personalized Federated Learning",
   arXiv:2003.13461, 2020, Algorithm 1).
 
@@ -129,7 +129,7 @@ def adaptive_personalization(model: nn.Module, optimizer: optax.GradientTransfor
 
 
 METHOD = methods.Method(
-    name="apfl", builder=adaptive_personalization,
+    name="apfl", builder=apfl,
     paper=('Deng, Kamani, Mahdavi, "Adaptive Personalized Federated Learning", '
            'arXiv:2003.13461, 2020'),
     shares_head=False, default=False)

@@ -6,11 +6,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from pflax._src import algorithm as alg
-from pflax._src import losses
-from pflax._src import parts as parts_lib
-from pflax._src import train
-from pflax._src import types
+from pflax._src.core import types
+from pflax._src.methods import algorithm as alg
+from pflax._src.training import losses
+from pflax._src.training import parts as parts_lib
+from pflax._src.training import train
 
 
 OUTPUT_LAYER = parts_lib.PFLAX_OUTPUT

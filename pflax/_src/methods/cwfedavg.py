@@ -8,16 +8,16 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from pflax._src import algorithm as alg
-from pflax._src import cwfedavg as cw_lib
-from pflax._src import fedavg as fedavg_lib
-from pflax._src import losses
 from pflax._src import methods
-from pflax._src import parts as parts_lib
-from pflax._src import tree as tree_lib
-from pflax._src import types
-from pflax._src import weights as weights_lib
+from pflax._src.aggregators import cwfedavg as cw_lib
+from pflax._src.aggregators import fedavg as fedavg_lib
+from pflax._src.core import tree as tree_lib
+from pflax._src.core import types
+from pflax._src.core import weights as weights_lib
+from pflax._src.methods import algorithm as alg
 from pflax._src.methods import common
+from pflax._src.training import losses
+from pflax._src.training import parts as parts_lib
 
 
 class ClassModels(NamedTuple):
@@ -53,11 +53,11 @@ def _class_wise_layers(layers: types.Selector | str | None,
   return layers
 
 
-def class_wise_averaging(model: nn.Module, optimizer: optax.GradientTransformation, *,
-                         wdr_coef: float = 5.0,
-                         layers: types.Selector | str | None = "output",
-                         class_dist: str = "estimated",
-                         parts: parts_lib.Parts | None = None) -> alg.Algorithm:
+def cwfedavg(model: nn.Module, optimizer: optax.GradientTransformation, *,
+             wdr_coef: float = 5.0,
+             layers: types.Selector | str | None = "output",
+             class_dist: str = "estimated",
+             parts: parts_lib.Parts | None = None) -> alg.Algorithm:
   """cwFedAvg with the Weight Distribution Regularizer (Lee & Choi).
 
   Clients train with `CE + wdr_coef * WDR(W_out, p)` (Eq. 12); the server
@@ -85,7 +85,7 @@ def class_wise_averaging(model: nn.Module, optimizer: optax.GradientTransformati
       pflax's models.
   """
   alg.check_range("wdr_coef", wdr_coef, 0.0)
-  output = parts_lib.resolve(model, parts, "class_wise_averaging").output
+  output = parts_lib.resolve(model, parts, "cwfedavg").output
   layers = _class_wise_layers(layers, output)
   kernel = lambda params: parts_lib.output_kernel(params, output)
   if class_dist not in ("estimated", "empirical"):
@@ -137,7 +137,7 @@ def class_wise_averaging(model: nn.Module, optimizer: optax.GradientTransformati
 
 
 METHOD = methods.Method(
-    name="cwfedavg", builder=class_wise_averaging,
+    name="cwfedavg", builder=cwfedavg,
     paper=('Lee and Choi, "Class-Wise Federated Averaging for Efficient '
            'Personalization"'),
     shares_head=True, default=True)

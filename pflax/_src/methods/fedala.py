@@ -8,15 +8,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from pflax._src import algorithm as alg
-from pflax._src import fedavg as fedavg_lib
 from pflax._src import methods
-from pflax._src import parts as parts_lib
-from pflax._src import tree as tree_lib
-from pflax._src import types
-from pflax._src import weights as weights_lib
+from pflax._src.aggregators import fedavg as fedavg_lib
+from pflax._src.core import tree as tree_lib
+from pflax._src.core import types
+from pflax._src.core import weights as weights_lib
+from pflax._src.methods import algorithm as alg
 from pflax._src.methods import common
 from pflax._src.methods import phases
+from pflax._src.training import parts as parts_lib
 
 
 def _ala_weights(path: tuple[str, ...], leaf: chex.Array) -> bool:
@@ -59,10 +59,10 @@ def trained_model(pair: types.Tree, local: types.Tree, global_model: types.Tree,
   return jax.tree.map(jnp.add, start, pair["delta"])
 
 
-def adaptive_local_aggregation(model: nn.Module, optimizer: optax.GradientTransformation,
-                               *, eta: float = 1.0, ala_steps: int = 5,
-                               layers: types.Selector | None = None,
-                               parts: parts_lib.Parts | None = None) -> alg.Algorithm:
+def fedala(model: nn.Module, optimizer: optax.GradientTransformation,
+           *, eta: float = 1.0, ala_steps: int = 5,
+           layers: types.Selector | None = None,
+           parts: parts_lib.Parts | None = None) -> alg.Algorithm:
   """FedALA (Zhang et al., "FedALA: Adaptive Local Aggregation for Personalized
   Federated Learning", AAAI 2023, Eqs. 4-6, Algorithm 1).
 
@@ -106,7 +106,7 @@ def adaptive_local_aggregation(model: nn.Module, optimizer: optax.GradientTransf
   if ala_steps < 0:
     raise ValueError(f"ala_steps must be >= 0, got {ala_steps}.")
   if layers is None:
-    layers = parts_lib.resolve(model, parts, "adaptive_local_aggregation").output
+    layers = parts_lib.resolve(model, parts, "fedala").output
   ce = alg.cross_entropy_loss(model)
 
   def loss(pair, models, batch, key):
@@ -149,7 +149,7 @@ def adaptive_local_aggregation(model: nn.Module, optimizer: optax.GradientTransf
 
 
 METHOD = methods.Method(
-    name="fedala", builder=adaptive_local_aggregation,
+    name="fedala", builder=fedala,
     paper=('Zhang et al., "FedALA: Adaptive Local Aggregation for Personalized '
            'Federated Learning", AAAI 2023'),
     shares_head=False, default=False)

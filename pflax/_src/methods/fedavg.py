@@ -7,11 +7,11 @@ import chex
 import flax.linen as nn
 import optax
 
-from pflax._src import algorithm as alg
 from pflax._src import methods
-from pflax._src import robust as robust_lib
-from pflax._src import tree as tree_lib
-from pflax._src import types
+from pflax._src.aggregators import robust as robust_lib
+from pflax._src.core import tree as tree_lib
+from pflax._src.core import types
+from pflax._src.methods import algorithm as alg
 from pflax._src.methods import common
 
 
@@ -55,10 +55,10 @@ def check_robust(clip_norm: float | None) -> None:
     alg.check_range("clip_norm", clip_norm, 0.0, open_low=True)
 
 
-def federated_averaging(model: nn.Module, optimizer: optax.GradientTransformation, *,
-                        robust: str = "none", trim_fraction: float = 0.1,
-                        max_share: float | None = None,
-                        clip_norm: float | None = None) -> alg.Algorithm:
+def fedavg(model: nn.Module, optimizer: optax.GradientTransformation, *,
+           robust: str = "none", trim_fraction: float = 0.1,
+           max_share: float | None = None,
+           clip_norm: float | None = None) -> alg.Algorithm:
   """FedAvg (McMahan et al. 2017): the sample-weighted mean of the trained models.
 
   Args:
@@ -77,7 +77,7 @@ def federated_averaging(model: nn.Module, optimizer: optax.GradientTransformatio
     >>> import optax
     >>> from pflax import algorithms, models
     >>> import jax.numpy as jnp
-    >>> fedavg = algorithms.federated_averaging(models.MLP(10), optax.sgd(0.05))
+    >>> fedavg = algorithms.fedavg(models.MLP(10), optax.sgd(0.05))
     >>> state = algorithms.GlobalModel({"w": jnp.ones(3)}, jnp.array([1, 2]))
     >>> fedavg.client_models(state)["w"].shape, sorted(fedavg.evaluate(state))
     ((2, 3), ['global', 'personalized'])
@@ -90,7 +90,7 @@ def federated_averaging(model: nn.Module, optimizer: optax.GradientTransformatio
 
 
 METHOD = methods.Method(
-    name="fedavg", builder=federated_averaging,
+    name="fedavg", builder=fedavg,
     paper=('McMahan et al., "Communication-Efficient Learning of Deep Networks '
            'from Decentralized Data", AISTATS 2017'),
     shares_head=True, default=True)

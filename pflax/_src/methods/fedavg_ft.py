@@ -7,12 +7,12 @@ import flax.linen as nn
 import jax.numpy as jnp
 import optax
 
-from pflax._src import algorithm as alg
-from pflax._src import fedavg as fedavg_lib
 from pflax._src import methods
-from pflax._src import tree as tree_lib
-from pflax._src import types
-from pflax._src import weights as weights_lib
+from pflax._src.aggregators import fedavg as fedavg_lib
+from pflax._src.core import tree as tree_lib
+from pflax._src.core import types
+from pflax._src.core import weights as weights_lib
+from pflax._src.methods import algorithm as alg
 from pflax._src.methods import common
 
 
@@ -64,8 +64,8 @@ def evaluate(state: FineTunedModels) -> dict[str, types.Stacked]:
   return {"personalized": tuned_or_global(state), "global": broadcast_global(state)}
 
 
-def fine_tuned_averaging(model: nn.Module,
-                         optimizer: optax.GradientTransformation) -> alg.Algorithm:
+def fedavg_ft(model: nn.Module,
+              optimizer: optax.GradientTransformation) -> alg.Algorithm:
   """FedAvg-FT: FedAvg, each client's personalized model fine-tuned from it locally.
 
   The baseline of Cheng, Chadha and Duchi, "Fine-tuning is Fine in Federated
@@ -85,7 +85,7 @@ def fine_tuned_averaging(model: nn.Module,
   Example:
     >>> import jax.numpy as jnp, optax
     >>> from pflax import algorithms, models
-    >>> ft = algorithms.fine_tuned_averaging(models.MLP(10), optax.sgd(0.05))
+    >>> ft = algorithms.fedavg_ft(models.MLP(10), optax.sgd(0.05))
     >>> state = ft.init({"a": jnp.zeros((2, 3))}, jnp.array([[1, 0], [2, 2]]), None)
     >>> state = ft.server_update(state, {"a": jnp.array([[1.0] * 3, [4.0] * 3])},
     ...                          jnp.array([True, False]), None)
@@ -111,7 +111,7 @@ def fine_tuned_averaging(model: nn.Module,
 
 
 METHOD = methods.Method(
-    name="fedavg_ft", builder=fine_tuned_averaging,
+    name="fedavg_ft", builder=fedavg_ft,
     paper=('Cheng, Chadha, Duchi, "Fine-tuning is Fine in Federated Learning", '
            'arXiv:2108.07313, 2021'),
     shares_head=False, default=False)

@@ -4,13 +4,13 @@ import flax.linen as nn
 import jax
 import optax
 
-from pflax._src import algorithm as alg
-from pflax._src import fedavg as fedavg_lib
 from pflax._src import methods
-from pflax._src import parts as parts_lib
-from pflax._src import tree as tree_lib
-from pflax._src import types
+from pflax._src.aggregators import fedavg as fedavg_lib
+from pflax._src.core import tree as tree_lib
+from pflax._src.core import types
+from pflax._src.methods import algorithm as alg
 from pflax._src.methods import fedavg_ft
+from pflax._src.training import parts as parts_lib
 
 
 def frozen_head(optimizer: optax.GradientTransformation,
@@ -28,9 +28,9 @@ def frozen_head(optimizer: optax.GradientTransformation,
       {"w": optimizer, "v": optimizer, "head": optax.set_to_zero()}, labels)
 
 
-def body_aggregation(model: nn.Module, optimizer: optax.GradientTransformation, *,
-                     head: types.Selector | None = None,
-                     parts: parts_lib.Parts | None = None) -> alg.Algorithm:
+def fedbabu(model: nn.Module, optimizer: optax.GradientTransformation, *,
+            head: types.Selector | None = None,
+            parts: parts_lib.Parts | None = None) -> alg.Algorithm:
   """FedBABU: FedAvg of the body under a frozen random head, then fine-tuning.
 
   Oh, Kim and Yun, "FedBABU: Toward Enhanced Representation for Federated Image
@@ -57,7 +57,7 @@ def body_aggregation(model: nn.Module, optimizer: optax.GradientTransformation, 
   Example:
     >>> import optax
     >>> from pflax import algorithms, models
-    >>> babu = algorithms.body_aggregation(models.MLP(10), optax.sgd(0.05))
+    >>> babu = algorithms.fedbabu(models.MLP(10), optax.sgd(0.05))
     >>> babu.keep_opt_state
     False
 
@@ -69,7 +69,7 @@ def body_aggregation(model: nn.Module, optimizer: optax.GradientTransformation, 
     docs/methods.md#fedbabu.
   """
   if head is None:
-    head = parts_lib.resolve(model, parts, "body_aggregation").output
+    head = parts_lib.resolve(model, parts, "fedbabu").output
   ce = alg.cross_entropy_loss(model)
 
   def init(params, class_counts, key):
@@ -101,7 +101,7 @@ def body_aggregation(model: nn.Module, optimizer: optax.GradientTransformation, 
 
 
 METHOD = methods.Method(
-    name="fedbabu", builder=body_aggregation,
+    name="fedbabu", builder=fedbabu,
     paper=('Oh, Kim, Yun, "FedBABU: Toward Enhanced Representation for Federated '
            'Image Classification", ICLR 2022'),
     shares_head=False, default=False)

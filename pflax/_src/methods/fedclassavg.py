@@ -8,16 +8,16 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from pflax._src import algorithm as alg
-from pflax._src import fedavg as fedavg_lib
-from pflax._src import losses
 from pflax._src import methods
-from pflax._src import parts as parts_lib
-from pflax._src import tree as tree_lib
-from pflax._src import types
-from pflax._src import weights as weights_lib
+from pflax._src.aggregators import fedavg as fedavg_lib
+from pflax._src.core import tree as tree_lib
+from pflax._src.core import types
+from pflax._src.core import weights as weights_lib
 from pflax._src.data import augment as augment_lib
+from pflax._src.methods import algorithm as alg
 from pflax._src.methods import common
+from pflax._src.training import losses
+from pflax._src.training import parts as parts_lib
 
 
 class SharedHead(NamedTuple):
@@ -34,14 +34,14 @@ class SharedHead(NamedTuple):
   num_samples: chex.Array
 
 
-def classifier_averaging(model: nn.Module, optimizer: optax.GradientTransformation, *,
-                         rho: float = 0.1, supcon: bool = True,
-                         supcon_temperature: float = 100.0,
-                         supcon_base_temperature: float = 0.07,
-                         warmup_epochs: int = 1,
-                         classifier: types.Selector | None = None,
-                         parts: parts_lib.Parts | None = None,
-                         augment: str = "translate") -> alg.Algorithm:
+def fedclassavg(model: nn.Module, optimizer: optax.GradientTransformation, *,
+                rho: float = 0.1, supcon: bool = True,
+                supcon_temperature: float = 100.0,
+                supcon_base_temperature: float = 0.07,
+                warmup_epochs: int = 1,
+                classifier: types.Selector | None = None,
+                parts: parts_lib.Parts | None = None,
+                augment: str = "translate") -> alg.Algorithm:
   """FedClassAvg (Jang et al.): averaged classifier, SupCon on two views, proximal head.
 
   Local objective (Eq. 4): `CE(y, f(x')) + SupCon(F(x'), F(x'')) +
@@ -81,11 +81,11 @@ def classifier_averaging(model: nn.Module, optimizer: optax.GradientTransformati
                   open_low=True)
   if warmup_epochs < 0:
     raise ValueError(f"warmup_epochs must be >= 0, got {warmup_epochs}.")
-  view = augment_lib.view_fn(augment, "classifier_averaging's augment")
+  view = augment_lib.view_fn(augment, "fedclassavg's augment")
   if augment == "none" and supcon:
-    raise ValueError("classifier_averaging's augment='none' needs supcon=False: "
+    raise ValueError("fedclassavg's augment='none' needs supcon=False: "
                      "SupCon's two views would both be the batch itself.")
-  parts = parts_lib.resolve(model, parts, "classifier_averaging")
+  parts = parts_lib.resolve(model, parts, "fedclassavg")
   classifier = parts.output if classifier is None else classifier
   representation = parts_lib.representation_fn(model, parts)
 
@@ -139,7 +139,7 @@ def classifier_averaging(model: nn.Module, optimizer: optax.GradientTransformati
 
 
 METHOD = methods.Method(
-    name="fedclassavg", builder=classifier_averaging,
+    name="fedclassavg", builder=fedclassavg,
     paper=('Jang et al., "FedClassAvg: Local Representation Learning for '
            'Personalized Federated Learning on Heterogeneous Neural '
            'Networks", ICPP 2022'),

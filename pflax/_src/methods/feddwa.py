@@ -5,11 +5,11 @@ from typing import NamedTuple
 import flax.linen as nn
 import optax
 
-from pflax._src import algorithm as alg
-from pflax._src import feddwa as dwa_lib
 from pflax._src import methods
-from pflax._src import types
-from pflax._src import weights as weights_lib
+from pflax._src.aggregators import feddwa as dwa_lib
+from pflax._src.core import types
+from pflax._src.core import weights as weights_lib
+from pflax._src.methods import algorithm as alg
 from pflax._src.methods import common
 
 
@@ -19,9 +19,9 @@ class ExclusiveModels(NamedTuple):
   personal: types.Stacked
 
 
-def dynamic_weight_averaging(model: nn.Module, optimizer: optax.GradientTransformation,
-                             *, alpha: float = 0.2, lam: float = 1.0,
-                             temperature: float = 1.0) -> alg.Algorithm:
+def feddwa(model: nn.Module, optimizer: optax.GradientTransformation,
+           *, alpha: float = 0.2, lam: float = 1.0,
+           temperature: float = 1.0) -> alg.Algorithm:
   """FedDWA: exclusive models by similarity weights, plus a personalized model.
 
   Each client trains the pair `{"w": exclusive, "v": personalized}` on the same
@@ -61,6 +61,6 @@ def dynamic_weight_averaging(model: nn.Module, optimizer: optax.GradientTransfor
 
 
 METHOD = methods.Method(
-    name="feddwa", builder=dynamic_weight_averaging,
+    name="feddwa", builder=feddwa,
     paper="FedDWA, Electronics 2025, Sec. 4.2",
     shares_head=False, default=True)

@@ -6,14 +6,14 @@ import chex
 import flax.linen as nn
 import optax
 
-from pflax._src import algorithm as alg
-from pflax._src import fedavg as fedavg_lib
 from pflax._src import methods
-from pflax._src import parts as parts_lib
-from pflax._src import tree as tree_lib
-from pflax._src import types
-from pflax._src import weights as weights_lib
+from pflax._src.aggregators import fedavg as fedavg_lib
+from pflax._src.core import tree as tree_lib
+from pflax._src.core import types
+from pflax._src.core import weights as weights_lib
+from pflax._src.methods import algorithm as alg
 from pflax._src.methods import common
+from pflax._src.training import parts as parts_lib
 
 
 class PersonalLayers(NamedTuple):
@@ -40,13 +40,13 @@ def _split(params: types.Tree, personal: types.Selector) -> tuple[types.Tree,
   if all(flags):
     raise ValueError("personal selects every layer of the model, which leaves no "
                      "base layers to average: that is local training "
-                     "(pflax.algorithms.local_training).")
+                     "(pflax.algorithms.local).")
   return tree_lib.partition(params, personal)
 
 
-def personalization_layers(model: nn.Module, optimizer: optax.GradientTransformation,
-                           *, personal: types.Selector | None = None,
-                           parts: parts_lib.Parts | None = None) -> alg.Algorithm:
+def fedper(model: nn.Module, optimizer: optax.GradientTransformation,
+           *, personal: types.Selector | None = None,
+           parts: parts_lib.Parts | None = None) -> alg.Algorithm:
   """FedPer: FedAvg of the base layers, personalization layers kept local.
 
   Arivazhagan et al., "Federated Learning with Personalization Layers",
@@ -70,7 +70,7 @@ def personalization_layers(model: nn.Module, optimizer: optax.GradientTransforma
   Example:
     >>> import optax
     >>> from pflax import algorithms, models
-    >>> fedper = algorithms.personalization_layers(models.MLP(10), optax.sgd(0.05))
+    >>> fedper = algorithms.fedper(models.MLP(10), optax.sgd(0.05))
     >>> fedper.keep_opt_state
     False
 
@@ -81,7 +81,7 @@ def personalization_layers(model: nn.Module, optimizer: optax.GradientTransforma
   """
   if personal is None:
     personal = parts_lib.classifier_selector(
-        parts_lib.resolve(model, parts, "personalization_layers"))
+        parts_lib.resolve(model, parts, "fedper"))
 
   def init(params, class_counts, key):
     del key
@@ -107,7 +107,7 @@ def personalization_layers(model: nn.Module, optimizer: optax.GradientTransforma
 
 
 METHOD = methods.Method(
-    name="fedper", builder=personalization_layers,
+    name="fedper", builder=fedper,
     paper=('Arivazhagan et al., "Federated Learning with Personalization Layers", '
            'arXiv:1912.00818, 2019'),
     shares_head=False, default=False)

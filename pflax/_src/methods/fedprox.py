@@ -3,17 +3,17 @@
 import flax.linen as nn
 import optax
 
-from pflax._src import algorithm as alg
-from pflax._src import losses
 from pflax._src import methods
-from pflax._src import robust as robust_lib
+from pflax._src.aggregators import robust as robust_lib
+from pflax._src.methods import algorithm as alg
 from pflax._src.methods import fedavg
+from pflax._src.training import losses
 
 
-def federated_proximal(model: nn.Module, optimizer: optax.GradientTransformation, *,
-                       mu: float = 0.001, robust: str = "none",
-                       trim_fraction: float = 0.1, max_share: float | None = None,
-                       clip_norm: float | None = None) -> alg.Algorithm:
+def fedprox(model: nn.Module, optimizer: optax.GradientTransformation, *,
+            mu: float = 0.001, robust: str = "none",
+            trim_fraction: float = 0.1, max_share: float | None = None,
+            clip_norm: float | None = None) -> alg.Algorithm:
   """FedProx (Li et al. 2020): FedAvg with `mu/2 ||w - w_global||^2` in local training.
 
   Args:
@@ -43,6 +43,6 @@ def federated_proximal(model: nn.Module, optimizer: optax.GradientTransformation
 
 
 METHOD = methods.Method(
-    name="fedprox", builder=federated_proximal,
+    name="fedprox", builder=fedprox,
     paper='Li et al., "Federated Optimization in Heterogeneous Networks", MLSys 2020',
     shares_head=False, default=True)

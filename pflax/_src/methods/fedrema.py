@@ -6,13 +6,13 @@ import chex
 import flax.linen as nn
 import optax
 
-from pflax._src import algorithm as alg
-from pflax._src import fedrema as rema_lib
 from pflax._src import methods
-from pflax._src import parts as parts_lib
-from pflax._src import tree as tree_lib
-from pflax._src import types
+from pflax._src.aggregators import fedrema as rema_lib
+from pflax._src.core import tree as tree_lib
+from pflax._src.core import types
+from pflax._src.methods import algorithm as alg
 from pflax._src.methods import common
+from pflax._src.training import parts as parts_lib
 
 
 class MatchedClassifiers(NamedTuple):
@@ -22,9 +22,9 @@ class MatchedClassifiers(NamedTuple):
   history: rema_lib.FedReMaState
 
 
-def relevant_client_matching(model: nn.Module, optimizer: optax.GradientTransformation,
-                             *, delta: float = 0.5, temperature: float = 0.5,
-                             parts: parts_lib.Parts | None = None) -> alg.Algorithm:
+def fedrema(model: nn.Module, optimizer: optax.GradientTransformation,
+            *, delta: float = 0.5, temperature: float = 0.5,
+            parts: parts_lib.Parts | None = None) -> alg.Algorithm:
   """FedReMa (Liang et al.): FedAvg feature extractor, relevance-matched classifiers.
 
   The classifier is every Dense layer after the feature extractor; soft logits
@@ -44,7 +44,7 @@ def relevant_client_matching(model: nn.Module, optimizer: optax.GradientTransfor
   """
   alg.check_range("delta", delta, 0.0, 1.0)
   alg.check_range("temperature", temperature, 0.0, open_low=True)
-  parts = parts_lib.resolve(model, parts, "relevant_client_matching")
+  parts = parts_lib.resolve(model, parts, "fedrema")
   where = parts_lib.classifier_selector(parts)
   apply_classifier = parts_lib.classifier_fn(parts)
 
@@ -69,7 +69,7 @@ def relevant_client_matching(model: nn.Module, optimizer: optax.GradientTransfor
 
 
 METHOD = methods.Method(
-    name="fedrema", builder=relevant_client_matching,
+    name="fedrema", builder=fedrema,
     paper=('Liang et al., "FedReMa: Improving Personalized Federated Learning via '
            'Leveraging the Most Relevant Clients", ECAI 2024'),
     shares_head=False, default=True)

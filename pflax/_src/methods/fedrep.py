@@ -3,17 +3,17 @@
 import flax.linen as nn
 import optax
 
-from pflax._src import algorithm as alg
 from pflax._src import methods
-from pflax._src import parts as parts_lib
-from pflax._src import types
+from pflax._src.core import types
+from pflax._src.methods import algorithm as alg
 from pflax._src.methods import fedper
 from pflax._src.methods import phases
+from pflax._src.training import parts as parts_lib
 
 
-def representation_sharing(model: nn.Module, optimizer: optax.GradientTransformation,
-                           *, head_steps: int = 10, head: types.Selector | None = None,
-                           parts: parts_lib.Parts | None = None) -> alg.Algorithm:
+def fedrep(model: nn.Module, optimizer: optax.GradientTransformation,
+           *, head_steps: int = 10, head: types.Selector | None = None,
+           parts: parts_lib.Parts | None = None) -> alg.Algorithm:
   """FedRep (Collins et al., "Exploiting Shared Representations for Personalized
   Federated Learning", ICML 2021, Algorithm 1): local heads, averaged body.
 
@@ -23,7 +23,7 @@ def representation_sharing(model: nn.Module, optimizer: optax.GradientTransforma
   cross-entropy; the server averages the bodies, sample-weighted over the
   participants; heads never leave their clients. Each part has its own
   optimizer state (`phases.two_phases`), fresh every round. This is FedPer's
-  server and state (`personalization_layers` with the head as its
+  server and state (`fedper` with the head as its
   personalization layers, state `PersonalLayers`: `base` is FedRep's body
   `phi`, `personal` the heads `h_i`) with FedRep's two-phase local training.
 
@@ -47,14 +47,14 @@ def representation_sharing(model: nn.Module, optimizer: optax.GradientTransforma
   if head_steps < 0:
     raise ValueError(f"head_steps must be >= 0, got {head_steps}.")
   if head is None:
-    head = parts_lib.resolve(model, parts, "representation_sharing").output
-  shared_body = fedper.personalization_layers(model, optimizer, personal=head)
+    head = parts_lib.resolve(model, parts, "fedrep").output
+  shared_body = fedper.fedper(model, optimizer, personal=head)
   return shared_body._replace(
       optimizer=phases.two_phases(head, optimizer, optimizer, head_steps))
 
 
 METHOD = methods.Method(
-    name="fedrep", builder=representation_sharing,
+    name="fedrep", builder=fedrep,
     paper=('Collins et al., "Exploiting Shared Representations for Personalized '
            'Federated Learning", ICML 2021'),
     shares_head=False, default=False)

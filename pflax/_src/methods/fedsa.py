@@ -5,16 +5,16 @@ import functools
 import flax.linen as nn
 import optax
 
-from pflax._src import algorithm as alg
-from pflax._src import fedsa as fedsa_lib
 from pflax._src import methods
+from pflax._src.aggregators import fedsa as fedsa_lib
+from pflax._src.methods import algorithm as alg
 from pflax._src.methods import fedavg
 
 
-def parameter_skew_averaging(model: nn.Module, optimizer: optax.GradientTransformation,
-                             *, cv_threshold: float = 0.2, sim_threshold: float = 0.2,
-                             num_mic: int = 4, num_mac: int = 4,
-                             clip_norm: float | None = None) -> alg.Algorithm:
+def fedsa(model: nn.Module, optimizer: optax.GradientTransformation,
+          *, cv_threshold: float = 0.2, sim_threshold: float = 0.2,
+          num_mic: int = 4, num_mac: int = 4,
+          clip_norm: float | None = None) -> alg.Algorithm:
   """FedSA: FedAvg's client training, parameter-skew-aware aggregation.
 
   Args:
@@ -40,6 +40,6 @@ def parameter_skew_averaging(model: nn.Module, optimizer: optax.GradientTransfor
 
 
 METHOD = methods.Method(
-    name="fedsa", builder=parameter_skew_averaging,
+    name="fedsa", builder=fedsa,
     paper='"FedSA: the Key of Parameter Skew in Federated Learning"',
     shares_head=True, default=True)

@@ -7,16 +7,16 @@ import flax.linen as nn
 import jax
 import optax
 
-from pflax._src import algorithm as alg
-from pflax._src import losses
 from pflax._src import methods
-from pflax._src import types
-from pflax._src import weights as weights_lib
+from pflax._src.core import types
+from pflax._src.core import weights as weights_lib
 from pflax._src.data import augment as augment_lib
+from pflax._src.methods import algorithm as alg
+from pflax._src.training import losses
 
 
 class ClientModels(NamedTuple):
-  """Each client's own model (`local_training`)."""
+  """Each client's own model (`local`)."""
   params: types.Stacked
 
 
@@ -30,8 +30,8 @@ def _augmented_cross_entropy(model: nn.Module, view: Callable) -> Callable:
   return loss
 
 
-def local_training(model: nn.Module, optimizer: optax.GradientTransformation, *,
-                   augment: str = "none") -> alg.Algorithm:
+def local(model: nn.Module, optimizer: optax.GradientTransformation, *,
+          augment: str = "none") -> alg.Algorithm:
   """Local training only: each client keeps its own model, no aggregation.
 
   Args:
@@ -44,7 +44,7 @@ def local_training(model: nn.Module, optimizer: optax.GradientTransformation, *,
       compares against a Local baseline trained without augmentation;
       `augment="simclr"` is the baseline with FedClassAvg's views.
   """
-  view = augment_lib.view_fn(augment, "local_training's augment")
+  view = augment_lib.view_fn(augment, "local's augment")
   loss = (alg.cross_entropy_loss(model) if augment == "none"
           else _augmented_cross_entropy(model, view))
 
@@ -61,6 +61,6 @@ def local_training(model: nn.Module, optimizer: optax.GradientTransformation, *,
 
 
 METHOD = methods.Method(
-    name="local", builder=local_training,
+    name="local", builder=local,
     paper="the Local baseline of personalized-FL papers (no aggregation)",
     shares_head=True, default=True)

@@ -8,15 +8,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from pflax._src import algorithm as alg
-from pflax._src import fedavg as fedavg_lib
-from pflax._src import losses
 from pflax._src import methods
-from pflax._src import parts as parts_lib
-from pflax._src import tree as tree_lib
-from pflax._src import types
-from pflax._src import weights as weights_lib
+from pflax._src.aggregators import fedavg as fedavg_lib
+from pflax._src.core import tree as tree_lib
+from pflax._src.core import types
+from pflax._src.core import weights as weights_lib
+from pflax._src.methods import algorithm as alg
 from pflax._src.methods import common
+from pflax._src.training import losses
+from pflax._src.training import parts as parts_lib
 
 COSINE_EPS = 1e-8
 """The cosine similarity's floor on `||a|| ||b||` (PyTorch's `CosineSimilarity`)."""
@@ -58,9 +58,9 @@ def model_contrastive_loss(z: chex.Array, z_glob: chex.Array, z_prev: chex.Array
   return jnp.sum(jnp.where(valid, per_sample, 0.0)) / jnp.maximum(jnp.sum(valid), 1)
 
 
-def model_contrastive(model: nn.Module, optimizer: optax.GradientTransformation, *,
-                      mu: float = 1.0, temperature: float = 0.5,
-                      parts: parts_lib.Parts | None = None) -> alg.Algorithm:
+def moon(model: nn.Module, optimizer: optax.GradientTransformation, *,
+         mu: float = 1.0, temperature: float = 0.5,
+         parts: parts_lib.Parts | None = None) -> alg.Algorithm:
   """MOON (Li, He, Song, "Model-Contrastive Federated Learning", CVPR 2021, Eqs. 3-4,
   Algorithm 1): FedAvg with a model-contrastive term in local training.
 
@@ -89,7 +89,7 @@ def model_contrastive(model: nn.Module, optimizer: optax.GradientTransformation,
   alg.check_range("mu", mu, 0.0)
   alg.check_range("temperature", temperature, 0.0, open_low=True)
   representation = parts_lib.representation_fn(
-      model, parts_lib.resolve(model, parts, "model_contrastive"))
+      model, parts_lib.resolve(model, parts, "moon"))
 
   def loss(params, anchors, batch, key):
     del key
@@ -123,6 +123,6 @@ def model_contrastive(model: nn.Module, optimizer: optax.GradientTransformation,
 
 
 METHOD = methods.Method(
-    name="moon", builder=model_contrastive,
+    name="moon", builder=moon,
     paper='Li, He, Song, "Model-Contrastive Federated Learning", CVPR 2021',
     shares_head=False, default=False)

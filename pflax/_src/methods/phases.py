@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from pflax._src import tree as tree_lib
-from pflax._src import types
+from pflax._src.core import tree as tree_lib
+from pflax._src.core import types
 
 
 class TwoPhaseState(NamedTuple):

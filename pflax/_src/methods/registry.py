@@ -8,8 +8,8 @@
 from collections.abc import Callable
 from typing import Any
 
-from pflax._src import algorithm as alg
 from pflax._src.methods import Method
+from pflax._src.methods import algorithm as alg
 from pflax._src.methods import apfl
 from pflax._src.methods import cwfedavg
 from pflax._src.methods import ditto

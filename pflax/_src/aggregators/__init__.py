@@ -1,0 +1,1 @@
+"""Server-side aggregators: pure functions of stacked client pytrees, one file each."""

@@ -1,0 +1,1 @@
+"""`pflax-run`: the command line."""

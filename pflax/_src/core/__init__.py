@@ -1,0 +1,1 @@
+"""The lowest floor: types, boundary checks, numerics, tree utilities, client weights and statistics, keys."""

@@ -1,0 +1,118 @@
+"""What a federated algorithm is to the simulation engine: a few pure functions.
+
+An `Algorithm` is built by a builder with keyword hyperparameters, as an optax
+optimizer is (`pflax.algorithms.fedavg(model, optimizer)`), and
+holds its state in a NamedTuple of its own. One round of the engine
+(`pflax.simulate`) is, for every run:
+
+1. `client_models(state)`: the `(M, ...)` models the clients train from;
+2. each participating client trains its model with `loss(params,
+   client_context(state)[i], batch, key)` and `optimizer` (`pflax.train`);
+3. `server_update(state, trained, mask, key)`: the aggregation. `mask` marks
+   the clients that took part and uploaded finite parameters; every other
+   client's entry of `trained` is its starting model, so no update ever reads
+   a non-finite upload.
+
+`evaluate(state)` returns the models to test by kind (`EVALUATED`). An optional
+`warmup` phase trains every client once before round 1 (FedClassAvg).
+"""
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import chex
+import flax.linen as nn
+import jax
+import optax
+
+from pflax._src.core import checks
+from pflax._src.core import types
+from pflax._src.training import losses
+from pflax._src.training import train
+
+EVALUATED = ("personalized", "global", "exclusive")
+"""Kinds of evaluated models, each reported as `<kind>_accuracy`: each client's own
+model (always); one global model on every client's test split (FedAvg, FedProx,
+FedSA; FedClassAvg's averaged classifier on each client's own features); FedDWA's
+exclusive models, one per client and never a global model."""
+
+State = Any
+"""An algorithm's state: a NamedTuple of arrays (e.g. `GlobalModel`)."""
+
+
+class Warmup(NamedTuple):
+  """Local training of every client before round 1, then `update`.
+
+  Attributes:
+    epochs: local epochs of the warm-up.
+    update: `update(state, trained, mask) -> state`, with `trained` and `mask`
+      as in `Algorithm.server_update`.
+  """
+  epochs: int
+  update: Callable[[State, types.Stacked, chex.Array], State]
+
+
+def no_context(state: State) -> None:
+  """`Algorithm.client_context` of a loss that needs no per-client constants."""
+  del state
+
+
+class Algorithm(NamedTuple):
+  """One federated algorithm as pure functions of an explicit state.
+
+  Attributes:
+    init: `init(params, class_counts, key) -> state`, from the `(M, ...)`
+      initial models (all equal) and the `(M, K)` training class counts.
+    client_models: `client_models(state) -> (M, ...)` models to train from.
+    loss: one client's local objective (`LossFn`).
+    optimizer: the clients' optax optimizer.
+    server_update: `server_update(state, trained, mask, key) -> state`.
+    evaluate: `evaluate(state) -> {kind: (M, ...) models}`, kinds from
+      `EVALUATED`, "personalized" always present.
+    client_context: `client_context(state) -> (M, ...)` per-client constants
+      of the loss (None: `no_context`).
+    keep_opt_state: whether a client's optimizer state carries over to its
+      next round (else it is fresh every round).
+    warmup: an optional `Warmup` phase before round 1.
+    unroll: `lax.scan` unroll of the local steps (`pflax.train.make_trainer`).
+  """
+  init: Callable[[types.Stacked, chex.Array, chex.PRNGKey], State]
+  client_models: Callable[[State], types.Stacked]
+  loss: train.LossFn
+  optimizer: optax.GradientTransformation
+  server_update: Callable[[State, types.Stacked, chex.Array, chex.PRNGKey], State]
+  evaluate: Callable[[State], dict[str, types.Stacked]]
+  client_context: Callable[[State], Any] = no_context
+  keep_opt_state: bool = False
+  warmup: Warmup | None = None
+  unroll: int | bool | None = None
+
+
+def logits(model: nn.Module, params: types.Tree, x: chex.Array) -> chex.Array:
+  """`model`'s logits for a batch `x` with parameters `params`."""
+  return model.apply({"params": params}, x)
+
+
+def cross_entropy_loss(model: nn.Module) -> train.LossFn:
+  """The plain local objective: mean cross-entropy over the batch's real samples."""
+  def loss(params, context, batch, key):
+    del context, key
+    return losses.cross_entropy(logits(model, params, batch.x), batch.y, batch.mask)
+  return loss
+
+
+check_range = checks.check_range
+"""`pflax._src.core.checks.check_range`: the range check of builders' hyperparameters."""
+
+
+def per_model(optimizer: optax.GradientTransformation,
+              names: tuple[str, ...]) -> optax.GradientTransformation:
+  """`optimizer` applied to each model of a dict `{name: params}` on its own.
+
+  For a client that trains several models at once (FedDWA's pair `w`, `v`):
+  each model gets its own optimizer state and, with gradient clipping, its
+  gradient is clipped by its own global norm, as if it were trained alone.
+  """
+  labels = lambda models_: {name: jax.tree.map(lambda _, n=name: n, models_[name])
+                            for name in names}
+  return optax.multi_transform({name: optimizer for name in names}, labels)

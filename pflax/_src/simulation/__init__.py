@@ -1,0 +1,1 @@
+"""The engine and what runs it: rounds, sweeps, records, checkpoints, sharding, tuning."""

@@ -1,0 +1,1 @@
+"""Local training: losses, the client trainer and its mappings, models and their parts."""

@@ -1,0 +1,256 @@
+"""Local training of one client, with the semantics of a per-client loop.
+
+Client i, in every local epoch, visits its own `n_i` samples in a fresh random
+order in `ceil(n_i / B)` mini-batches (the last one smaller), one optimizer step
+per batch, the loss averaged over the real samples of the batch. Clients are
+padded to a common length L so that one compiled program serves them all: the
+padded samples are ordered last, so they never enter a real batch, and steps
+whose batch holds no real sample leave parameters and optimizer state untouched.
+`make_trainer` maps the per-client step over the stacked clients of a round
+with one of `pflax.train.STRATEGIES` (see `map_clients`).
+"""
+
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import chex
+import jax
+import jax.numpy as jnp
+import optax
+
+from pflax._src.core import types
+from pflax._src.training import mapping
+
+class Batch(NamedTuple):
+  """One client's mini-batch: inputs, labels and a validity mask `(B,)`."""
+  x: chex.Array
+  y: chex.Array
+  mask: chex.Array
+
+
+LossFn = Callable[[types.Tree, Any, Batch, chex.PRNGKey], chex.Array]
+"""`loss_fn(params, context, batch, key) -> scalar` for one client."""
+
+
+def _num_steps(length: int, batch_size: int) -> int:
+  """Steps per epoch for the longest client: `ceil(L / B)`."""
+  return -(-length // batch_size)
+
+
+def _epoch_order(key: chex.PRNGKey, valid: chex.Array) -> chex.Array:
+  """A uniformly random order of the valid samples, followed by the padding.
+
+  Sample j's sort key is the first word of `fold_in(key, j)` (one threefry
+  hash per sample), so the order of a client's samples does not depend on how
+  far its data are padded.
+  """
+  word = lambda j: jax.random.key_data(jax.random.fold_in(key, j))[0]
+  bits = jax.vmap(word)(jnp.arange(valid.shape[0]))
+  u = (bits >> 8).astype(jnp.float32) * 2.0**-24  # uniform on [0, 1), exact
+  return jnp.argsort(jnp.where(valid, u, 2.0))
+
+
+def batch_schedule(key: chex.PRNGKey, valid: chex.Array, epochs: int,
+                   batch_size: int) -> tuple[chex.Array, chex.Array]:
+  """Sample indices `(E * S, B)` and their validity for all local steps.
+
+  Epoch e shuffles with `fold_in(key, e)`; padding ordered last only makes
+  trailing steps of an epoch empty, so the real steps do not depend on the
+  padded length.
+  """
+  length = valid.shape[0]
+  steps = _num_steps(length, batch_size)
+  epoch_keys = jax.vmap(functools.partial(jax.random.fold_in, key))(jnp.arange(epochs))
+  orders = jax.vmap(_epoch_order, in_axes=(0, None))(epoch_keys, valid)
+  pad = steps * batch_size - length
+  orders = jnp.pad(orders, ((0, 0), (0, pad)))
+  in_range = jnp.arange(steps * batch_size) < length
+  index = orders.reshape(epochs * steps, batch_size)
+  real = (valid[orders] & in_range).reshape(epochs * steps, batch_size)
+  return index, real
+
+
+def _step_keys(key: chex.PRNGKey, epochs: int, steps: int) -> chex.Array:
+  """Keys `(E * S,)` of the local steps: `fold_in(fold_in(key, e), s)`."""
+  per_epoch = lambda e: jax.vmap(functools.partial(
+      jax.random.fold_in, jax.random.fold_in(key, e)))(jnp.arange(steps))
+  keys = jax.vmap(per_epoch)(jnp.arange(epochs))
+  return keys.reshape(epochs * steps, *keys.shape[2:])
+
+
+MAX_FULL_UNROLL = 64
+"""Default `unroll`: convolutional schedules of at most this many steps are unrolled."""
+
+
+def _primitives(jaxpr: Any) -> Iterator[str]:
+  """Names of the primitives of a jaxpr, nested jaxprs (scan, jit, ...) included."""
+  for eqn in jaxpr.eqns:
+    yield eqn.primitive.name
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          yield from _primitives(inner)
+
+
+def _has_convolution(fn: Callable[..., Any], *args: Any) -> bool:
+  """Whether `fn(*args)` computes a convolution.
+
+  `fn` is traced on the shapes and dtypes of `args` (arrays, tracers or
+  `jax.ShapeDtypeStruct`s; nothing runs) and its jaxpr, nested jaxprs
+  included, is searched for `conv_general_dilated`. `make_trainer` uses it to
+  decide whether unrolling the local steps pays on XLA-CPU.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> _has_convolution(lambda x: x @ x.T, jnp.ones((2, 3)))
+    False
+  """
+  shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)),
+                        args)
+  return "conv_general_dilated" in _primitives(jax.make_jaxpr(fn)(*shapes).jaxpr)
+
+
+def _scan_unroll(unroll: int | bool | None, steps: int,
+                 convolutional: Callable[[], bool]) -> int | bool:
+  """The `lax.scan` unroll for `steps` local steps.
+
+  None: all steps (up to `MAX_FULL_UNROLL`) when the step holds a convolution
+  and runs on XLA-CPU, else a rolled loop.
+  """
+  if unroll is None:
+    return (steps <= MAX_FULL_UNROLL and jax.default_backend() == "cpu"
+            and convolutional())
+  return unroll if isinstance(unroll, bool) else max(1, min(unroll, steps))
+
+
+class ClientResult(NamedTuple):
+  """Output of one client's local training."""
+  params: types.Tree
+  opt_state: Any
+  loss: chex.Array
+
+
+def train_client(loss_fn: LossFn, optimizer: optax.GradientTransformation,
+                 params: types.Tree, opt_state: Any, context: Any,
+                 x: chex.Array, y: chex.Array, valid: chex.Array,
+                 key: chex.PRNGKey, *, epochs: int, batch_size: int,
+                 unroll: int | bool | None = None, remat: bool = False) -> ClientResult:
+  """Trains one client for `epochs` local epochs (unstacked inputs).
+
+  Returns the trained parameters and optimizer state, and the mean training loss
+  over the client's real steps. `unroll` is as in `make_trainer`; `remat`
+  wraps each local step in `jax.checkpoint`, so reverse-mode differentiation
+  through the training (`pflax.tune`) keeps each step's parameters and optimizer
+  state, not its activations (same results).
+  """
+  order_key, step_key = jax.random.split(key)
+  index, real = batch_schedule(order_key, valid, epochs, batch_size)
+  keys = _step_keys(step_key, epochs, _num_steps(valid.shape[0], batch_size))
+  grad_fn = jax.value_and_grad(loss_fn)
+
+  def step(carry, inputs):
+    params, opt_state = carry
+    idx, mask, k = inputs
+    loss, grads = grad_fn(params, context, Batch(x[idx], y[idx], mask), k)
+    updates, new_opt_state = optimizer.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    active = jnp.any(mask)
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(active, a, b), new, old)
+    return (keep(new_params, params), keep(new_opt_state, opt_state)), (
+        jnp.where(active, loss, 0.0), active)
+
+  first_batch = Batch(x[index[0]], y[index[0]], real[0])
+  convolutional = lambda: _has_convolution(grad_fn, params, context, first_batch, keys[0])
+  (params, opt_state), (losses, active) = jax.lax.scan(
+      jax.checkpoint(step) if remat else step, (params, opt_state), (index, real, keys),
+      unroll=_scan_unroll(unroll, index.shape[0], convolutional))
+  mean_loss = jnp.sum(losses) / jnp.maximum(jnp.sum(active), 1)
+  return ClientResult(params, opt_state, mean_loss)
+
+
+def make_trainer(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
+                 epochs: int, batch_size: int, strategy: str = "auto",
+                 unroll: int | bool | None = None, chunk_size: int | None = None,
+                 memory_budget: int | None = None,
+                 threads: int | None = None) -> Callable[..., ClientResult]:
+  """Builds the local-training function of a round; build once, call every round.
+
+  Args:
+    loss_fn: `loss_fn(params, context, batch, key) -> scalar` for one client.
+    optimizer: an optax optimizer, one state per client.
+    epochs: local epochs E.
+    batch_size: mini-batch size B.
+    strategy: how clients are mapped: "auto" (vmap on accelerators, loop on
+      CPU), "vmap", "loop" or "map".
+    unroll: `lax.scan` unroll factor over the E * S local steps; True
+      unrolls all of them. None (default) unrolls all of them on XLA-CPU when
+      E * S <= 64 and the step computes a convolution (`_has_convolution`),
+      and otherwise keeps a rolled loop. XLA-CPU canonicalises convolutions
+      for its fast kernels only outside loops, so with any loop left in the
+      schedule (even 8-fold unrolled) the backward convolutions of the FedAvg
+      CNN take a generic path: 73 against 12.5 ms per step of 10 samples.
+      Unrolling costs compile time, about 0.18 s per step, and speeds up only
+      convolutions: the digits MLP's 35 steps compiled in 5.5 s unrolled and
+      1.4 s rolled, and ran 51 against 32 ms per round of 20 clients.
+    chunk_size: clients per chunk for the "map" strategy.
+    memory_budget: bytes for the clients training at once, for strategies
+      "map" and "auto" instead of `chunk_size`: at the first call with new
+      shapes, one client's memory is measured (`bytes_per_client`, one extra
+      compilation) and the chunk size taken from `chunk_size_for_budget`.
+      "auto" keeps "vmap" while all clients fit the budget and chunks them
+      otherwise; where it resolves to "loop" (CPU) one client per worker
+      thread trains at a time and the budget is not consulted. None
+      (default): no budget.
+    threads: worker threads of the "loop" strategy (None: one per CPU core
+      available, `default_threads()`).
+
+  Returns:
+    `train(params, opt_state, context, x, y, valid, keys) -> ClientResult`, all
+    arguments stacked over clients (`keys`: `(M, ...)` PRNG keys). The result
+    equals training each client alone with `train_client`.
+  """
+  if epochs < 1 or batch_size < 1:
+    raise ValueError(f"epochs and batch_size must be >= 1, got {epochs}, {batch_size}.")
+  mapping.check_threads(threads)
+  one = functools.partial(train_client, loss_fn, optimizer, epochs=epochs,
+                          batch_size=batch_size, unroll=unroll)
+  if memory_budget is None:
+    return mapping.map_clients(one, strategy, chunk_size, threads)
+  if strategy not in ("auto", "map") or chunk_size is not None:
+    raise ValueError("memory_budget needs strategy 'auto' or 'map' and no chunk_size, "
+                     f"got {strategy!r} and {chunk_size}.")
+  return mapping.within_budget(one, mapping.resolve_strategy(strategy), memory_budget,
+                               threads)
+
+
+def init_opt_state(optimizer: optax.GradientTransformation,
+                   params: types.Stacked) -> Any:
+  """Stacked optimizer state: one per client."""
+  return jax.vmap(optimizer.init)(params)
+
+
+def evaluate_client(apply_fn: Callable[[types.Tree, chex.Array], chex.Array],
+                    params: types.Tree, x: chex.Array, y: chex.Array,
+                    valid: chex.Array, batch_size: int = 256) -> chex.Array:
+  """Number of correctly classified valid samples of one client (int32).
+
+  Batches of at most `batch_size` samples (fewer for a short test split, which
+  is then not padded to a full batch).
+  """
+  length = x.shape[0]
+  batch_size = max(1, min(batch_size, length))
+  steps = _num_steps(length, batch_size)
+  pad = steps * batch_size - length
+  xs = jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1)).reshape(
+      (steps, batch_size) + x.shape[1:])
+  ys = jnp.pad(y, (0, pad)).reshape(steps, batch_size)
+  vs = jnp.pad(valid, (0, pad)).reshape(steps, batch_size)
+
+  def count(total, batch):
+    bx, by, bv = batch
+    hit = (jnp.argmax(apply_fn(params, bx), axis=-1) == by) & bv
+    return total + jnp.sum(hit, dtype=jnp.int32), None
+
+  return jax.lax.scan(count, jnp.zeros((), jnp.int32), (xs, ys, vs))[0]
