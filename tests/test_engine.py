@@ -111,11 +111,18 @@ def test_import_pflax_reaches_every_namespace():
 
 
 def test_public_names_are_unique_across_namespaces():
-  seen = {}
+  """A name means one object in every namespace, but for a method's family: its
+  builder `pflax.algorithms.X` and its server step's aggregator `pflax.aggregate.X`."""
+  seen, family = {}, set()
   for namespace in pflax.__all__:
     for name in getattr(pflax, namespace).__all__:
       obj = getattr(getattr(pflax, namespace), name)
+      if namespace == "aggregate" and name in pflax.algorithms.METHODS:
+        assert pflax.algorithms.METHODS[name].builder is pflax.algorithms.__dict__[name]
+        family.add(name)
+        continue
       assert seen.setdefault(name, obj) is obj, (namespace, name)
+  assert family == {"fedavg", "fedclassavg", "fedsa", "feddwa", "fedrema"}
 
 
 @pytest.fixture(scope="module")
