@@ -17,7 +17,7 @@ from pflax import data
 from pflax import models
 from pflax import simulate
 from pflax import train
-from pflax._src.cli import main as cli
+from pflax._src.cli import config as cli_config
 from pflax._src.core import prng
 from pflax._src.core import tree as tree_lib
 from pflax._src.data import augment
@@ -269,15 +269,15 @@ def test_simclr_losses_are_finite_under_jit_and_vmap():
 
 def test_augment_reachable_through_config_and_cli_set():
   """`ExperimentConfig.hyperparameters` and `pflax-run --set NAME.augment=...`."""
-  config = cli._apply_sets(simulate.ExperimentConfig(), ["local", "fedclassavg"],
-                           ["fedclassavg.augment=simclr", "local.augment=simclr"])
+  config = cli_config.apply_sets(simulate.ExperimentConfig(), ["local", "fedclassavg"],
+                                  ["fedclassavg.augment=simclr", "local.augment=simclr"])
   assert config.hyperparameters == {"fedclassavg": {"augment": "simclr"},
                                     "local": {"augment": "simclr"}}
   from pflax._src.simulation import simulate as simulate_lib
   for name in ("local", "fedclassavg"):
     simulate_lib.check_algorithm(name, config)
-  bad = cli._apply_sets(simulate.ExperimentConfig(), ["fedclassavg"],
-                        ["fedclassavg.augment=crop"])
+  bad = cli_config.apply_sets(simulate.ExperimentConfig(), ["fedclassavg"],
+                               ["fedclassavg.augment=crop"])
   with pytest.raises(ValueError, match="augment must be one of"):
     simulate_lib.check_algorithm("fedclassavg", bad)
 

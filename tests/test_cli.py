@@ -1,5 +1,7 @@
 """`pflax-run`: configuration from flags, --set and --config, one-line errors."""
 
+import copy
+import dataclasses
 import json
 import os
 import subprocess
@@ -8,7 +10,11 @@ import sys
 import pytest
 
 from pflax import simulate
+from pflax._src.cli import config as cli_config
 from pflax._src.cli import main as cli
+from pflax._src.cli import parser as cli_parser
+from pflax._src.data import datasets
+from pflax._src.simulation import simulate as simulate_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--clients", "6", "--rounds", "2", "--model", "mlp", "--local-epochs", "1",
@@ -85,6 +91,48 @@ def test_config_file_reruns_the_experiment_and_flags_override_it(tmp_path, capsy
   assert json.loads(capsys.readouterr().out)["rounds"] == 5
 
 
+def _invocation(argv):
+  """The parsed arguments of `argv`, a deep copy of them, and their invocation."""
+  args = cli_parser.parser().parse_args(argv)
+  before = copy.deepcopy(vars(args))
+  return args, before, cli_config.invocation_from_args(
+      args, cli_parser.given_flags(argv))
+
+
+def test_the_invocation_layers_preset_config_file_and_flags_without_writing_args(
+    tmp_path):
+  path = _results(tmp_path / "results.json", algorithms=["fedavg"], seeds=[3, 4],
+                  devices=2, sweep={"lr": [0.1, 0.2]}, flower={"engine": "simulation"},
+                  rounds=7)
+  argv = ["--preset", "cwfedavg-cifar10-pathological", "--config", path,
+          "--seeds", "5", "--set", "lr=0.3", "--no-progress"]
+  args, before, invocation = _invocation(argv)
+  assert vars(args) == before                 # args is only read
+  assert invocation.algorithms == ("fedavg",)  # the file's, over the preset's
+  assert invocation.seeds == (5,)              # the flag's, over the file's
+  assert (invocation.devices, invocation.flower) == (2, "simulation")
+  assert (invocation.sweep, invocation.values) == ("lr", (0.1, 0.2))
+  assert invocation.config.rounds == 7 and invocation.config.dataset == "cifar10"
+  assert invocation.config.optimizers["fedavg"]["lr"] == 0.3
+  assert invocation.preset == "cwfedavg-cifar10-pathological"
+  assert not invocation.progress and invocation.compilation_cache
+  assert invocation.tune == ()
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    invocation.seeds = (0,)
+
+
+def test_a_preset_gives_algorithms_and_seeds_unless_flags_do():
+  name = "cwfedavg-cifar10-pathological"
+  args, before, invocation = _invocation(["--preset", name])
+  assert vars(args) == before and args.algorithms == list(
+      cli_parser.parser().parse_args([]).algorithms)
+  assert invocation.algorithms == ("cwfedavg", "fedavg", "fedprox")
+  args, before, invocation = _invocation(["--preset", name, "--algorithms", "local",
+                                          "--seeds", "1", "2"])
+  assert vars(args) == before
+  assert invocation.algorithms == ("local",) and invocation.seeds == (1, 2)
+
+
 def test_config_file_with_unknown_keys_is_refused(tmp_path):
   path = tmp_path / "config.json"
   path.write_text(json.dumps({"config": {"clients": 6, "learning_rate": 0.1}}))
@@ -96,7 +144,7 @@ def test_ctrl_c_is_one_line(monkeypatch, tmp_path, capsys):
   def interrupted(*args, **kwargs):
     raise KeyboardInterrupt
   monkeypatch.setattr(simulate, "prepare", interrupted)
-  monkeypatch.setattr(cli.simulate, "prepare", interrupted)
+  monkeypatch.setattr(simulate_lib, "prepare", interrupted)
   assert cli.main(SMALL + ["--algorithms", "fedavg", "--out", str(tmp_path)]) == 130
   assert capsys.readouterr().err.strip() == "pflax-run: interrupted"
 
@@ -126,7 +174,7 @@ def test_download_flag_asks_tfds_to_prepare_first(monkeypatch, tmp_path):
   def load(name, *, data_dir=None, download=False):
     calls.append((name, data_dir, download))
     raise KeyboardInterrupt   # stop before training
-  monkeypatch.setattr(cli.datasets, "load", load)
+  monkeypatch.setattr(datasets, "load", load)
   assert cli.main(SMALL + ["--dataset", "mnist", "--data-dir", str(tmp_path),
                            "--download", "--out", str(tmp_path / "out")]) == 130
   assert calls == [("mnist", str(tmp_path), True)]

@@ -10,6 +10,7 @@ import pytest
 from pflax import data
 from pflax import simulate
 from pflax._src.cli import main as cli
+from pflax._src.data import datasets
 from pflax._src.simulation import simulate as simulate_lib
 
 CONFIG = simulate.ExperimentConfig(clients=6, rounds=1, model="mlp", local_epochs=1)
@@ -152,7 +153,7 @@ def test_more_clients_than_a_batch_of_data_each_warns():
 def test_cli_shows_the_data_warnings_as_one_line_each(monkeypatch, tmp_path, capsys):
   def interrupted(*args, **kwargs):
     raise KeyboardInterrupt   # stop before training
-  monkeypatch.setattr(cli.simulate, "sweep", interrupted)
+  monkeypatch.setattr(simulate_lib, "sweep", interrupted)
   assert cli.main(["--clients", "500", "--algorithms", "fedavg", *QUIET,
                    "--out", str(tmp_path)]) == 130
   err = capsys.readouterr().err.splitlines()
@@ -210,7 +211,7 @@ def test_cli_too_many_classes_per_client_is_one_line(tmp_path):
 def test_cli_data_errors_end_as_pflax_run_messages(monkeypatch, tmp_path, error):
   def load(name, *, data_dir=None, download=False):
     raise error(f"cannot load {name}:\n  see --download")
-  monkeypatch.setattr(cli.datasets, "load", load)
+  monkeypatch.setattr(datasets, "load", load)
   with pytest.raises(SystemExit) as exit_:
     cli.main(["--dataset", "mnist", "--download", *QUIET, "--out", str(tmp_path)])
   assert str(exit_.value) == "pflax-run: cannot load mnist:\n  see --download"

@@ -6,13 +6,14 @@ import pytest
 
 from pflax import simulate
 from pflax._src.cli import main as cli
+from pflax._src.cli import parser as cli_parser
 from pflax._src.simulation import presets
 
 
 @pytest.mark.parametrize("name", presets.names())
 def test_every_preset_resolves_and_is_recorded(name, capsys, tmp_path):
   preset = presets.get(name)
-  presets.check(preset, cli.CONFIG_FIELDS + ("optimizers", "hyperparameters"))
+  presets.check(preset, cli_parser.CONFIG_FIELDS + ("optimizers", "hyperparameters"))
   assert cli.main(["--preset", name, "--print-config", "--out", str(tmp_path)]) == 0
   config = json.loads(capsys.readouterr().out)
   assert config["preset"] == name and config["algorithms"] == list(preset.algorithms)

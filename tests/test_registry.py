@@ -9,7 +9,7 @@ import pytest
 from pflax import algorithms
 from pflax import simulate
 from pflax._src import methods as methods_pkg
-from pflax._src.cli import main as cli
+from pflax._src.cli import parser as cli_parser
 from pflax._src.methods import registry
 from pflax._src.simulation import simulate as simulate_lib
 
@@ -35,7 +35,7 @@ def test_tables_are_derived_from_the_registry():
                                          "fedclassavg", "fedsa", "feddwa", "fedrema")
   assert simulate_lib.HEAD_SHARING == ("local", "fedavg", "cwfedavg", "fedclassavg",
                                        "fedsa")
-  assert all(name in cli.FIELD_HELP["heterogeneous"]
+  assert all(name in cli_parser.FIELD_HELP["heterogeneous"]
              for name in simulate_lib.HEAD_SHARING)
 
 

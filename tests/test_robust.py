@@ -211,9 +211,9 @@ def test_fault_fields_are_checked():
 
 
 def test_set_reaches_the_robust_keywords():
-  from pflax._src.cli import main as cli  # pylint: disable=import-outside-toplevel
-  config = cli._apply_sets(simulate.ExperimentConfig(), ["fedavg", "fedprox"],
-                           ["max_share=0.2", "fedavg.robust=median"])
+  from pflax._src.cli import config as cli_config  # pylint: disable=import-outside-toplevel
+  config = cli_config.apply_sets(simulate.ExperimentConfig(), ["fedavg", "fedprox"],
+                                  ["max_share=0.2", "fedavg.robust=median"])
   assert config.hyperparameters == {"fedavg": {"max_share": 0.2, "robust": "median"},
                                     "fedprox": {"max_share": 0.2}}
 

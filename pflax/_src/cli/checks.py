@@ -1,0 +1,132 @@
+"""One-line errors for run-level flags that cannot run together, before any work
+starts (the experiment's own settings are checked as the config is resolved)."""
+
+import importlib.util
+import os
+
+import jax
+
+from pflax._src.cli import config as config_lib
+from pflax._src.cli import messages
+
+
+def check_run_flags(invocation: config_lib.Invocation) -> None:
+  """Errors for run-level flags out of range, and an `--out` that cannot be
+  written (created if missing)."""
+  if invocation.checkpoint_every < 0:
+    raise messages.fail(f"--checkpoint-every must be >= 0, got "
+                        f"{invocation.checkpoint_every}")
+  if invocation.devices is not None and invocation.devices < 1:
+    raise messages.fail(f"--devices must be >= 1, got {invocation.devices}")
+  if invocation.flower_insecure and not invocation.flower:
+    raise messages.fail("--flower-insecure is for --flower federations")
+  out = invocation.out
+  try:
+    os.makedirs(out, exist_ok=True)
+    probe = os.path.join(out, ".pflax-write-test")
+    with open(probe, "w", encoding="utf-8"):
+      pass
+    os.remove(probe)
+  except OSError as e:
+    raise messages.fail(f"--out {out} cannot be written: {e.strerror}") from None
+
+
+def check_sweep_flags(invocation: config_lib.Invocation) -> None:
+  """Errors for what a simulation's sweep does not run: `--sweep` or `--devices`
+  one after another, checkpoints or the threaded loop over devices."""
+  one_sweep = invocation.sweep is not None or invocation.devices
+  if one_sweep and invocation.sequential:
+    raise messages.fail("--sweep and --devices run as one sweep; they cannot be "
+                        "combined with --sequential.")
+  if invocation.devices and (invocation.checkpoint_every or invocation.resume):
+    raise messages.fail("checkpoints are not supported with --devices.")
+  if invocation.devices and invocation.config.strategy == "loop":
+    raise messages.fail("--devices runs each round as one program over the "
+                        "devices; use --strategy auto, vmap or map.")
+
+
+def check_device_count(invocation: config_lib.Invocation) -> None:
+  """An error for `--devices` beyond the devices JAX sees (every host's, once
+  `--distributed` has joined them)."""
+  devices = invocation.devices
+  if devices is not None and not 1 <= devices <= jax.device_count():
+    raise messages.fail(f"--devices must be in [1, {jax.device_count()}] (the "
+                        f"devices JAX sees), got {devices}; on CPU set XLA_FLAGS="
+                        "--xla_force_host_platform_device_count=N.")
+
+
+def check_flower_flags(invocation: config_lib.Invocation) -> None:
+  """Errors for what a Flower federation does not run, for a Flower (or its
+  simulation engine) not installed, and for too little memory for its nodes."""
+  for flag, used in (("--devices", invocation.devices), ("--sweep", invocation.sweep),
+                     ("--distributed", invocation.distributed),
+                     ("--checkpoint-every", invocation.checkpoint_every),
+                     ("--resume", invocation.resume)):
+    if used:
+      raise messages.fail(f"{flag} is for simulations; --flower runs each seed as a "
+                          "federation of its own")
+  if invocation.flower_timeout <= 0:
+    raise messages.fail(f"--flower-timeout must be > 0, got "
+                        f"{invocation.flower_timeout}")
+  try:
+    from pflax._src.flower import apps as flower  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    raise messages.fail("--flower needs Flower: pip install 'pflax[flower]'") from None
+  if invocation.flower == "simulation" and importlib.util.find_spec("ray") is None:
+    raise messages.fail("--flower simulation needs Flower's simulation engine: pip "
+                        "install 'flwr[simulation]'")
+  config = invocation.config
+  for name in invocation.algorithms:
+    try:
+      flower.Experiment(name, config, invocation.seeds[0]).check()
+    except ValueError as e:
+      raise messages.fail(f"--flower: {messages.flag_message(e)}") from None
+  if invocation.flower == "deployment":
+    from pflax._src.flower import deploy as flower_deploy  # pylint: disable=import-outside-toplevel
+    try:
+      flower_deploy.check_memory(config.clients, flower_deploy.available_memory())
+    except RuntimeError as e:
+      raise messages.fail(str(e)) from None
+
+
+def check_tune_flags(invocation: config_lib.Invocation) -> None:
+  """Errors for what `--tune` does not run, and for keys an algorithm cannot
+  differentiate."""
+  for flag, used in (("--sweep", invocation.sweep), ("--flower", invocation.flower),
+                     ("--distributed", invocation.distributed),
+                     ("--devices", invocation.devices),
+                     ("--checkpoint-every", invocation.checkpoint_every),
+                     ("--resume", invocation.resume),
+                     ("--heterogeneous", invocation.config.heterogeneous)):
+    if used:
+      raise messages.fail(f"--tune cannot be combined with {flag}")
+  if invocation.config.strategy == "loop":
+    raise messages.fail("--tune needs --strategy vmap, map or auto: the threaded loop "
+                        "runs clients outside JAX and cannot be differentiated")
+  if len(invocation.seeds) > 1:
+    seeds = " ".join(map(str, invocation.seeds))
+    raise messages.fail(f"--tune tunes with one seed, got --seeds {seeds}")
+  if invocation.tune_steps < 0:
+    raise messages.fail(f"--tune-steps must be >= 0, got {invocation.tune_steps}")
+  if not invocation.tune_lr > 0:
+    raise messages.fail(f"--tune-lr must be > 0, got {invocation.tune_lr}")
+  if not 0 < invocation.tune_validation < 1:
+    raise messages.fail(f"--tune-validation must be in (0, 1), got "
+                        f"{invocation.tune_validation}")
+  from pflax._src.simulation import tune  # pylint: disable=import-outside-toplevel
+  for name in invocation.algorithms:
+    try:
+      tune.check_keys(name, invocation.tune)
+    except ValueError as e:
+      raise messages.fail(f"--tune: {e}") from None
+
+
+def check_flags(invocation: config_lib.Invocation) -> None:
+  """Every check of the run-level flags, in the order the run needs them."""
+  if invocation.tune:
+    check_tune_flags(invocation)
+  check_run_flags(invocation)
+  if invocation.flower:
+    check_flower_flags(invocation)
+  elif not invocation.tune:
+    check_sweep_flags(invocation)

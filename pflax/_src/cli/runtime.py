@@ -1,0 +1,74 @@
+"""Where `pflax-run`'s programs run: JAX's persistent compilation cache, several
+hosts (`jax.distributed`), the `--devices` mesh, and SIGTERM as Ctrl-C."""
+
+import contextlib
+import os
+import signal
+import threading
+from collections.abc import Iterator
+
+import jax
+
+CACHE_MIN_COMPILE_SECONDS = 0.1
+"""Programs that compile faster than this are not cached (JAX's threshold)."""
+
+
+def compilation_cache_dir() -> str:
+  """Where `pflax-run` keeps JAX's persistent compilation cache: `$PFLAX_CACHE_DIR`,
+  else `$XDG_CACHE_HOME/pflax/jax` (`~/.cache/pflax/jax`)."""
+  if os.environ.get("PFLAX_CACHE_DIR"):
+    return os.environ["PFLAX_CACHE_DIR"]
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"),
+                                                         ".cache")
+  return os.path.join(base, "pflax", "jax")
+
+
+def use_compilation_cache() -> None:
+  """JAX's persistent compilation cache in `compilation_cache_dir()`, unless one is
+  configured already: a rerun of the same configuration skips compilation."""
+  if jax.config.jax_compilation_cache_dir:
+    return
+  jax.config.update("jax_compilation_cache_dir", compilation_cache_dir())
+  jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                    CACHE_MIN_COMPILE_SECONDS)
+
+
+def compilation_cache_env() -> dict[str, str]:
+  """The environment that gives another process the same compilation cache."""
+  return {"JAX_COMPILATION_CACHE_DIR": compilation_cache_dir(),
+          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": str(CACHE_MIN_COMPILE_SECONDS)}
+
+
+def join_hosts(coordinator_address: str | None, num_processes: int | None,
+               process_id: int | None) -> None:
+  """Connects this process to the others of a multi-host run
+  (`jax.distributed.initialize`); an argument left None is detected (Slurm, Open
+  MPI, Cloud TPU)."""
+  jax.distributed.initialize(coordinator_address=coordinator_address,
+                             num_processes=num_processes, process_id=process_id)
+
+
+def mesh(devices: int | None) -> jax.sharding.Mesh | None:
+  """A one-axis `clients` mesh over the first `devices` devices (None: no mesh);
+  `checks.check_device_count` has checked that there are as many."""
+  if devices is None:
+    return None
+  return jax.make_mesh((devices,), ("clients",), devices=jax.devices()[:devices],
+                       axis_types=(jax.sharding.AxisType.Auto,))
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+  """SIGTERM (`kill`, `timeout`, Slurm) raises KeyboardInterrupt, as SIGINT does,
+  so that what was started is stopped (in the main thread only)."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  def interrupt(signum, frame):
+    del signum, frame
+    raise KeyboardInterrupt
+  previous = signal.signal(signal.SIGTERM, interrupt)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGTERM, previous)
