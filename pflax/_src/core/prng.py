@@ -62,7 +62,7 @@ def key(seed: int | chex.Array) -> chex.PRNGKey:
 
   Example:
     >>> import jax
-    >>> from pflax._src import prng
+    >>> from pflax._src.core import prng
     >>> k = prng.key(0)
     >>> jax.random.uniform(k).dtype
     dtype('float32')
