@@ -465,7 +465,7 @@ def _check_flower_flags(args: argparse.Namespace, config: simulate.ExperimentCon
   if args.flower_timeout <= 0:
     raise _fail(f"--flower-timeout must be > 0, got {args.flower_timeout}")
   try:
-    from pflax._src.flower import apps as flower  # pylint: disable=import-outside-toplevel
+    from pflax import flower  # pylint: disable=import-outside-toplevel
   except ImportError:
     raise _fail("--flower needs Flower: pip install 'pflax[flower]'") from None
   if args.flower == "simulation" and importlib.util.find_spec("ray") is None:
@@ -540,7 +540,7 @@ def _federate(config: simulate.ExperimentConfig, args: argparse.Namespace
   run keeps them; SIGTERM stops the federation as SIGINT does.
   """
   import flwr  # pylint: disable=import-outside-toplevel
-  from pflax._src.flower import apps as flower  # pylint: disable=import-outside-toplevel
+  from pflax import flower  # pylint: disable=import-outside-toplevel
   from pflax._src.flower import deploy as flower_deploy  # pylint: disable=import-outside-toplevel
   runs, traffic = [], {}
   logs = os.path.abspath(os.path.join(args.out, "flower-logs"))
