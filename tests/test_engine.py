@@ -216,6 +216,25 @@ def test_heterogeneous_classifier_averaging_averages_heads_across_architectures(
     np.testing.assert_allclose(kernel, np.broadcast_to(expected, kernel.shape), rtol=1e-5)
 
 
+@pytest.mark.parametrize("num_clients, clients", [
+    (7, [[0, 3, 6], [1, 4], [2, 5]]),
+    (2, [[0], [1]]),                                # M < G: the first M architectures
+])
+def test_groups_deal_clients_round_robin(num_clients, clients):
+  family = _two_architectures() + (models.MLP(3, hidden=(2, 5)),)
+  het = algorithms.heterogeneous(lambda m: algorithms.fedavg(m, optax.sgd(0.1)), family)
+  dealt = groups.as_groups(het, family[0], num_clients)
+  assert [index.tolist() for index in dealt.clients] == clients
+  assert dealt.models == family[:len(clients)]
+  assert dealt.members == het.architectures.members[:len(clients)]
+  for i in range(num_clients):
+    g, j = dealt.position(i)
+    assert clients[g][j] == i
+  plain = groups.as_groups(algorithms.fedavg(family[0], optax.sgd(0.1)), family[0], 5)
+  assert [index.tolist() for index in plain.clients] == [list(range(5))]
+  assert plain.position(3) == (0, 3)
+
+
 @pytest.mark.slow
 def test_heterogeneous_fedavg_runs_as_fedper():
   # The wrapper works around any algorithm that shares a head: FedAvg of the

@@ -172,7 +172,7 @@ def _evaluate(strategy, change=None, lie=None):  # pylint: disable=redefined-out
   samples correct, `BAD`'s reply `change`d or its metrics updated with `lie`."""
   strategy.aggregate_train(1, _train_replies(strategy, None))
   messages = strategy.configure_evaluate(1, None, None, strategy.grid)
-  kinds = list(strategy._algorithm.evaluate(strategy._state))  # pylint: disable=protected-access
+  kinds = list(strategy.groups.algorithm.evaluate(strategy._state)[0])  # pylint: disable=protected-access
   replies = []
   for message in messages:
     client = int(message.content["config"]["client"])

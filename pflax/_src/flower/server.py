@@ -259,11 +259,11 @@ class PflaxStrategy(flwr_strategy.Strategy):
     del arrays, config
     if not self._due(server_round):
       return []
-    held = self.groups.algorithm.evaluate(self._state)
-    online = set(grid.get_node_ids())
+    held = self.groups.algorithm.evaluate(self._state)     # per group {kind: models}
+    kinds, online = list(held[0]), set(grid.get_node_ids())
     messages = [flwr_app.Message(
         content=wire.packed(protocol.client_row(self.groups, held, i),
-                            flwr_app.ConfigRecord({"client": i, "kinds": list(held[0])})),
+                            flwr_app.ConfigRecord({"client": i, "kinds": kinds})),
         dst_node_id=node, message_type=wire.EVALUATE, group_id=str(server_round))
                 for i, node in self.nodes.items() if node in online]
     self.bytes_per_round[-1]["evaluate_sent"] = sum(

@@ -46,7 +46,8 @@ class Groups(NamedTuple):
     group)."""
     if len(self.models) == 1:
       return (stacked,)
-    return tuple(jax.tree.map(lambda x, i=index: x[i], stacked) for index in self.clients)
+    return tuple(jax.tree.map(lambda x, i=index: x[i], stacked)
+                 for index in self.clients)
 
   def position(self, client: int) -> tuple[int, int]:
     """`(g, j)`: client `client` is row j of group g."""

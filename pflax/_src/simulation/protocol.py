@@ -32,9 +32,6 @@ from pflax._src.simulation import engine
 from pflax._src.simulation import groups as groups_lib
 from pflax._src.training import train as train_lib
 
-PerGroup = engine.PerGroup
-
-
 class Tasks(NamedTuple):
   """What the server sends the participants of a round.
 
@@ -48,7 +45,7 @@ class Tasks(NamedTuple):
     server_key: the key of the round's server step.
   """
   clients: np.ndarray
-  starts: PerGroup
+  starts: engine.PerGroup
   contexts: tuple[types.Stacked | None, ...]
   keys: np.ndarray
   server_key: chex.PRNGKey
@@ -98,7 +95,7 @@ def warmup_tasks(groups: groups_lib.Groups, state: alg.State, seed: int) -> Task
                groups.algorithm.client_context(state), warmup_keys(groups, seed), None)
 
 
-def client_row(groups: groups_lib.Groups, per_group: PerGroup, client: int
+def client_row(groups: groups_lib.Groups, per_group: engine.PerGroup, client: int
                ) -> types.Tree:
   """Client `client`'s row of per-group stacked trees (host arrays)."""
   g, j = groups.position(client)
@@ -144,8 +141,8 @@ def finite(tree: types.Tree) -> bool:
   return bool(all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(tree)))
 
 
-def with_uploads(groups: groups_lib.Groups, starts: PerGroup,
-                 uploads: dict[int, types.Tree]) -> tuple[PerGroup, np.ndarray]:
+def with_uploads(groups: groups_lib.Groups, starts: engine.PerGroup,
+                 uploads: dict[int, types.Tree]) -> tuple[engine.PerGroup, np.ndarray]:
   """`(trained, received)`: the starts with the received clients' uploads in place,
   and bool `(M,)` marking those clients.
 
@@ -167,8 +164,8 @@ def with_uploads(groups: groups_lib.Groups, starts: PerGroup,
 
 
 @functools.partial(jax.jit, static_argnums=(0, 6))
-def _server_step(groups: groups_lib.Groups, state: alg.State, starts: PerGroup,
-                 trained: PerGroup, received: chex.Array, key: chex.PRNGKey,
+def _server_step(groups: groups_lib.Groups, state: alg.State, starts: engine.PerGroup,
+                 trained: engine.PerGroup, received: chex.Array, key: chex.PRNGKey,
                  outlier_factor: float | None) -> tuple[alg.State, chex.Array]:
   return engine.server_step(groups, state, starts, trained, received, key,
                             outlier_factor)
@@ -192,8 +189,8 @@ def server_step(groups: groups_lib.Groups, state: alg.State, tasks: Tasks,
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
-def _warmup_step(groups: groups_lib.Groups, state: alg.State, starts: PerGroup,
-                 trained: PerGroup, outlier_factor: float | None) -> alg.State:
+def _warmup_step(groups: groups_lib.Groups, state: alg.State, starts: engine.PerGroup,
+                 trained: engine.PerGroup, outlier_factor: float | None) -> alg.State:
   return engine.warmup_step(groups, state, starts, trained, outlier_factor)
 
 

@@ -316,8 +316,7 @@ def make_task(algorithm: str | simulate.Builder, config: simulate.ExperimentConf
               defaults=defaults, config=config, model=setup.model,
               federation=jax.device_put(engine.cast_floating(train, dtype)),
               validation=jax.device_put(engine.cast_floating(validation, dtype)),
-              plan=plan,
-              chunk_size=chunk_size, dtype=dtype)
+              plan=plan, chunk_size=chunk_size, dtype=dtype)
 
 
 class Outcome(NamedTuple):
