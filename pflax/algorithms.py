@@ -3,6 +3,7 @@
 
 from pflax._src.methods import Method
 from pflax._src.methods.algorithm import Algorithm
+from pflax._src.methods.algorithm import Architectures
 from pflax._src.methods.algorithm import EVALUATED
 from pflax._src.methods.algorithm import Warmup
 from pflax._src.methods.algorithm import check_range
@@ -36,9 +37,8 @@ from pflax._src.methods.fedrema import MatchedClassifiers
 from pflax._src.methods.fedrema import fedrema
 from pflax._src.methods.fedrep import fedrep
 from pflax._src.methods.fedsa import fedsa
-from pflax._src.methods.groups import Heterogeneous
-from pflax._src.methods.groups import HeterogeneousState
-from pflax._src.methods.groups import heterogeneous
+from pflax._src.methods.heterogeneous import HeterogeneousState
+from pflax._src.methods.heterogeneous import heterogeneous
 from pflax._src.methods.local import ClientModels
 from pflax._src.methods.local import local
 from pflax._src.methods.moon import ContrastiveModels
@@ -49,6 +49,7 @@ from pflax._src.methods.registry import METHODS
 __all__ = (
     "AdaptiveAggregation",
     "Algorithm",
+    "Architectures",
     "BUILDERS",
     "CLASSIFIER",
     "ClassModels",
@@ -59,7 +60,6 @@ __all__ = (
     "ExclusiveModels",
     "FineTunedModels",
     "GlobalModel",
-    "Heterogeneous",
     "HeterogeneousState",
     "METHODS",
     "MatchedClassifiers",

@@ -19,19 +19,19 @@ what `flwr run` submits to your SuperLink, `write_certificates` and
 for clients that hold their own data (README, "A real federation with Flower").
 """
 
-from pflax._src.flower.apps import Experiment
-from pflax._src.flower.apps import InProcessGrid
-from pflax._src.flower.apps import PflaxStrategy
-from pflax._src.flower.apps import client_app
-from pflax._src.flower.apps import client_id
-from pflax._src.flower.apps import from_record
-from pflax._src.flower.apps import in_process_nodes
-from pflax._src.flower.apps import pack
-from pflax._src.flower.apps import run_in_process
-from pflax._src.flower.apps import server_app
-from pflax._src.flower.apps import simulated_partition
-from pflax._src.flower.apps import to_record
-from pflax._src.flower.apps import unpack
+from pflax._src.flower.wire import from_record  # first: Flower's install check
+from pflax._src.flower.wire import pack
+from pflax._src.flower.wire import to_record
+from pflax._src.flower.wire import unpack
+from pflax._src.flower.client import client_app
+from pflax._src.flower.client import client_id
+from pflax._src.flower.client import simulated_partition
+from pflax._src.flower.experiment import Experiment
+from pflax._src.flower.in_process import InProcessGrid
+from pflax._src.flower.in_process import in_process_nodes
+from pflax._src.flower.in_process import run_in_process
+from pflax._src.flower.server import PflaxStrategy
+from pflax._src.flower.server import server_app
 from pflax._src.flower.deploy import LocalFederation
 from pflax._src.flower.deploy import write_app
 from pflax._src.flower.deploy import write_run_config

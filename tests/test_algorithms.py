@@ -25,8 +25,8 @@ from pflax import simulate
 from pflax import train
 from pflax._src.core import prng
 from pflax._src.data import federation as federation_lib
-from pflax._src.methods import groups as groups_lib
 from pflax._src.simulation import engine
+from pflax._src.simulation import groups as groups_lib
 
 import references as ref
 
@@ -480,10 +480,12 @@ def test_optimizer_state_is_fresh_each_round_except_fedrema(name, chosen):
   state = _init(algorithm)
   previous = _dirty(_opt_state(algorithm, state))
   participants = None if chosen is None else jnp.asarray(chosen)
-  inputs = engine._client_inputs(algorithm, algorithm.client_models(state), previous,
+  inputs = engine._client_inputs(algorithm.client_models(state), previous,
                                  algorithm.client_context(state), FED, participants,
                                  functools.partial(engine.client_keys, KEY))
-  got = jax.tree.leaves(inputs.opt_state)
+  starting = jax.vmap(functools.partial(engine.start_opt_state, algorithm))(
+      inputs.start, inputs.opt_state)
+  got = jax.tree.leaves(starting)
   assert got, "the optimizer must have a state here (momentum or Adam)"
   if name == "fedrema":
     kept = previous if chosen is None else _rows(previous, chosen)
@@ -505,7 +507,7 @@ def test_fedrema_stores_participants_momentum_and_keeps_the_others():
                               jnp.ones(3))
   inputs = engine._Inputs(None, (chosen,), jnp.asarray(np.arange(M) != ABSENT),
                           jnp.zeros(M, bool), KEY)
-  groups = groups_lib.one_group(algorithm, MODEL, M)
+  groups = groups_lib.as_groups(algorithm, MODEL, M)
   _, _, (opt_state,), losses = engine._trained(groups, engine.Carry(state, (previous,)),
                                                inputs, (result,))
   for a, b in zip(jax.tree.leaves(opt_state), jax.tree.leaves(previous)):
@@ -667,7 +669,7 @@ def test_fedper_personalizes_the_classifier_by_default():
 def _groups(name):
   """The engine's form of the algorithm, aggregating with the compiled `_server_update`."""
   algorithm = _algorithm(name)._replace(server_update=_server_update(name))
-  return groups_lib.one_group(algorithm, MODEL, M)
+  return groups_lib.as_groups(algorithm, MODEL, M)
 
 
 def _round_outputs(name):

@@ -18,8 +18,8 @@ from pflax import algorithms
 from pflax import models
 from pflax import simulate
 from pflax._src.core import prng
-from pflax._src.methods import groups
 from pflax._src.simulation import engine
+from pflax._src.simulation import groups
 import pflax
 
 CONFIG = simulate.ExperimentConfig(clients=6, rounds=2, model="mlp", local_epochs=1)
@@ -184,10 +184,11 @@ def _two_architectures():
 
 def test_heterogeneous_classifier_averaging_averages_heads_across_architectures():
   family = _two_architectures()
-  wrapped = algorithms.heterogeneous(
+  het = algorithms.heterogeneous(
       lambda m: algorithms.fedclassavg(m, optax.sgd(0.1)), family)
-  het = groups.as_groups(wrapped, family[0], num_clients=5)
-  assert [list(c) for c in het.clients] == [[0, 2, 4], [1, 3]]
+  assert isinstance(het, algorithms.Algorithm) and het.architectures.models == family
+  assert [list(c) for c in groups.as_groups(het, family[0], num_clients=5).clients] == [
+      [0, 2, 4], [1, 3]]
   rng = np.random.default_rng(0)
   key = jax.random.key(0)
 
@@ -200,8 +201,8 @@ def test_heterogeneous_classifier_averaging_averages_heads_across_architectures(
   counts = jnp.asarray([[1, 0, 0], [0, 2, 0], [0, 0, 3], [1, 1, 2], [5, 0, 0]])
   state = het.init(init, counts, key)
   trained = (stacked(family[0], 3), stacked(family[1], 2))
-  masks = (jnp.array([True, True, True]), jnp.array([True, False]))
-  new = het.server_update(state, trained, masks, key)
+  mask = jnp.array([True, True, True, False, True])     # client 3: group 1's second
+  new = het.server_update(state, trained, mask, key)
   # Sample-weighted mean over the 4 healthy clients, in client order 0..4.
   kernels = np.zeros((5, 5, 3))
   kernels[[0, 2, 4]] = trained[0]["classifier"]["output"]["kernel"]
@@ -220,6 +221,25 @@ def test_heterogeneous_classifier_averaging_averages_heads_across_architectures(
   for start in starts:
     kernel = start["classifier"]["output"]["kernel"]
     np.testing.assert_allclose(kernel, np.broadcast_to(expected, kernel.shape), rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_clients, clients", [
+    (7, [[0, 3, 6], [1, 4], [2, 5]]),
+    (2, [[0], [1]]),                                # M < G: the first M architectures
+])
+def test_groups_deal_clients_round_robin(num_clients, clients):
+  family = _two_architectures() + (models.MLP(3, hidden=(2, 5)),)
+  het = algorithms.heterogeneous(lambda m: algorithms.fedavg(m, optax.sgd(0.1)), family)
+  dealt = groups.as_groups(het, family[0], num_clients)
+  assert [index.tolist() for index in dealt.clients] == clients
+  assert dealt.models == family[:len(clients)]
+  assert dealt.members == het.architectures.members[:len(clients)]
+  for i in range(num_clients):
+    g, j = dealt.position(i)
+    assert clients[g][j] == i
+  plain = groups.as_groups(algorithms.fedavg(family[0], optax.sgd(0.1)), family[0], 5)
+  assert [index.tolist() for index in plain.clients] == [list(range(5))]
+  assert plain.position(3) == (0, 3)
 
 
 @pytest.mark.slow

@@ -94,7 +94,7 @@ def _carry(plan, setup):
   """One run's initial carry (not run-stacked)."""
   groups = plan.build(None)
   fed = setup.federation
-  return engine._initial_carry(groups, (fed,), jnp.asarray(fed.counts), jnp.int32(0))
+  return engine.initial_carry(groups, fed.x[0, :1], jnp.asarray(fed.counts), jnp.int32(0))
 
 
 def test_fault_draw_leaves_every_other_choice_unchanged(setup):
@@ -144,7 +144,7 @@ def test_non_finite_upload_equals_absence_and_an_empty_round_keeps_the_state(set
   groups = plan.build(None)
   state, (opt_state,) = _carry(plan, setup)
   opt_state = _shift(opt_state, 0.5)
-  start = groups.client_models(state)[0]
+  start = groups.algorithm.client_models(state)[0]
   everyone = np.arange(CONFIG.clients)
 
   def server(took_part, nan_rows=()):

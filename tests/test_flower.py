@@ -16,7 +16,6 @@ from flwr.supercore import task_identity  # pylint: disable=wrong-import-positio
 from pflax import flower  # pylint: disable=wrong-import-position
 from pflax import simulate  # pylint: disable=wrong-import-position
 from pflax._src.cli import main as cli  # pylint: disable=wrong-import-position
-from pflax._src.flower import apps as flower_src  # pylint: disable=wrong-import-position
 from pflax._src.simulation import engine  # pylint: disable=wrong-import-position
 
 CONFIG = simulate.ExperimentConfig(clients=4, rounds=3, local_epochs=1)
@@ -63,7 +62,7 @@ def test_a_record_of_another_tree_is_a_clear_error(change, match):
 def test_a_federation_equals_the_simulation(name):
   """The headline equivalence: the same data, partition and seed give exactly the
   same per-round accuracies in Flower messages as in `pflax.simulate`."""
-  federated = flower_src.run_in_process(flower.Experiment(name, CONFIG, seed=3))
+  federated = flower.run_in_process(flower.Experiment(name, CONFIG, seed=3))
   simulated = simulate.run(name, CONFIG, 3)
   _same_run(federated.results().runs[0], simulated)
   assert federated.results().config["flower"]["bytes_per_round"][0]["train_sent"] > 0
@@ -74,8 +73,30 @@ def test_a_federation_equals_the_simulation(name):
                                   "feddwa"])
 def test_every_algorithm_in_a_federation_equals_the_simulation(name):
   config = dataclasses.replace(CONFIG, participation=0.5)
-  federated = flower_src.run_in_process(flower.Experiment(name, config, seed=1))
+  federated = flower.run_in_process(flower.Experiment(name, config, seed=1))
   _same_run(federated.results().runs[0], simulate.run(name, config, 1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["fedper", "ditto", "fedavg_ft", "fedbabu", "fedrep",
+                                  "apfl", "moon", "fedala"])
+def test_every_baseline_in_a_federation_equals_the_simulation(name):
+  config = dataclasses.replace(CONFIG, participation=0.5)
+  federated = flower.run_in_process(flower.Experiment(name, config, seed=1))
+  _same_run(federated.results().runs[0], simulate.run(name, config, 1))
+
+
+def test_heterogeneous_fedclassavg_in_a_federation_equals_the_simulation():
+  """One architecture per node (client i trains `mlp_family()[i % 4]` with its
+  group's loss and optimizer): the server warms up and aggregates the shared
+  classifier over every group with the engine's steps, as `pflax.simulate` does."""
+  config = dataclasses.replace(CONFIG, clients=5, rounds=2, participation=0.6,
+                               heterogeneous=True, family="mlp")
+  federated = flower.run_in_process(flower.Experiment("fedclassavg", config, seed=2))
+  simulated = simulate.run("fedclassavg", config, 2)
+  _same_run(federated.results().runs[0], simulated)
+  np.testing.assert_allclose(federated.results().runs[0].output_norms,
+                             simulated.output_norms, rtol=1e-5)
 
 
 def _engine_faulty(seed, config, server_round):
@@ -103,8 +124,8 @@ def test_a_client_that_disconnects_mid_round_is_dropped_as_a_faulty_one():
       message.metadata.message_type == "train"
       and int(message.content["config"]["client"]) in _engine_faulty(
           0, faulty, int(message.metadata.group_id)))
-  grid = flower_src.InProcessGrid(flower_src.in_process_nodes(5), lost=lost)
-  federated = flower_src.run_in_process(flower.Experiment("cwfedavg", healthy, 0), grid)
+  grid = flower.InProcessGrid(flower.in_process_nodes(5), lost=lost)
+  federated = flower.run_in_process(flower.Experiment("cwfedavg", healthy, 0), grid)
   _same_run(federated.results().runs[0], simulated)
 
 
@@ -121,8 +142,8 @@ def _failing_app(client, phase="train"):
 
 
 def test_a_failing_client_is_dropped_without_harming_the_others():
-  grid = flower_src.InProcessGrid(flower_src.in_process_nodes(4, _failing_app(2)))
-  run = flower_src.run_in_process(flower.Experiment("fedrema", CONFIG, 0),
+  grid = flower.InProcessGrid(flower.in_process_nodes(4, _failing_app(2)))
+  run = flower.run_in_process(flower.Experiment("fedrema", CONFIG, 0),
                                   grid).results().runs[0]
   assert all(h.dropped_clients == (2,) for h in run.history)
   assert all(np.isfinite(h.train_loss) for h in run.history)
@@ -141,18 +162,18 @@ def test_a_client_uploading_nan_is_dropped():
         model[key] = flwr_app.Array(np.full_like(model[key].numpy(), np.nan))
     return reply
 
-  grid = flower_src.InProcessGrid(flower_src.in_process_nodes(4, poisoned))
-  run = flower_src.run_in_process(flower.Experiment("cwfedavg", CONFIG, 0),
+  grid = flower.InProcessGrid(flower.in_process_nodes(4, poisoned))
+  run = flower.run_in_process(flower.Experiment("cwfedavg", CONFIG, 0),
                                   grid).results().runs[0]
   assert all(h.dropped_clients == (1,) for h in run.history)
   assert np.all(np.isfinite(run.output_norms))
 
 
 def test_an_unregistered_or_duplicate_partition_is_a_clear_error():
-  nodes = flower_src.in_process_nodes(4, node_config=lambda i: {"partition-id": i % 3})
+  nodes = flower.in_process_nodes(4, node_config=lambda i: {"partition-id": i % 3})
   with pytest.raises(RuntimeError, match="partition-id"):
-    flower_src.run_in_process(flower.Experiment("fedavg", CONFIG, 0),
-                              flower_src.InProcessGrid(nodes))
+    flower.run_in_process(flower.Experiment("fedavg", CONFIG, 0),
+                              flower.InProcessGrid(nodes))
 
 
 @pytest.fixture
@@ -165,9 +186,9 @@ def message_identity(monkeypatch):
 @pytest.mark.usefixtures("message_identity")
 def test_registration_stacks_the_clients_by_id_whatever_the_reply_order():
   # Node i + 1 is client 3 - i: the replies come in reverse client order.
-  nodes = flower_src.in_process_nodes(4, node_config=lambda i: {"partition-id": 3 - i})
+  nodes = flower.in_process_nodes(4, node_config=lambda i: {"partition-id": 3 - i})
   strategy = flower.PflaxStrategy(flower.Experiment("cwfedavg", CONFIG, 0))
-  strategy.register(flower_src.InProcessGrid(nodes), timeout=0.0)
+  strategy.register(flower.InProcessGrid(nodes), timeout=0.0)
   assert strategy.nodes == {3 - i: i + 1 for i in range(4)}
   federation = simulate.prepare(CONFIG, 0).federation
   np.testing.assert_array_equal(strategy.class_counts, federation.counts)
@@ -175,21 +196,21 @@ def test_registration_stacks_the_clients_by_id_whatever_the_reply_order():
 
 
 def test_a_node_without_partition_id_says_how_to_start_it():
-  nodes = flower_src.in_process_nodes(4, node_config=lambda i: {})
+  nodes = flower.in_process_nodes(4, node_config=lambda i: {})
   with pytest.raises(RuntimeError, match="--node-config 'partition-id=0'"):
-    flower_src.run_in_process(flower.Experiment("fedavg", CONFIG, 0),
-                              flower_src.InProcessGrid(nodes))
+    flower.run_in_process(flower.Experiment("fedavg", CONFIG, 0),
+                              flower.InProcessGrid(nodes))
 
 
-@pytest.mark.parametrize("change, match", [
-    (dict(heterogeneous=True), "heterogeneous"),
-    (dict(faulty_clients=0.1), "faulty_clients"),
-    (dict(clients=0), "clients"),
+@pytest.mark.parametrize("name, change, match", [
+    ("feddwa", dict(heterogeneous=True), "heterogeneous models need an algorithm that "
+                                         "shares a head"),
+    ("fedclassavg", dict(faulty_clients=0.1), "faulty_clients"),
+    ("fedclassavg", dict(clients=0), "clients"),
 ])
-def test_experiments_a_federation_does_not_run_are_refused(change, match):
+def test_experiments_a_federation_does_not_run_are_refused(name, change, match):
   with pytest.raises(ValueError, match=match):
-    flower.PflaxStrategy(flower.Experiment(
-        "fedclassavg", dataclasses.replace(CONFIG, **change)))
+    flower.PflaxStrategy(flower.Experiment(name, dataclasses.replace(CONFIG, **change)))
 
 
 def test_the_experiment_travels_as_json_unchanged():
@@ -227,7 +248,7 @@ def test_fedprox_sends_its_anchor_once():
   """FedProx's loss context is the model it starts from: the train message holds
   one copy of it, as FedAvg's does."""
   config = dataclasses.replace(CONFIG, rounds=1)
-  sent = {name: flower_src.run_in_process(flower.Experiment(name, config, 0)).results(
+  sent = {name: flower.run_in_process(flower.Experiment(name, config, 0)).results(
       ).config["flower"]["bytes_per_round"][0]["train_sent"]
           for name in ("fedavg", "fedprox")}
   assert abs(sent["fedprox"] - sent["fedavg"]) < 0.01 * sent["fedavg"]
@@ -240,7 +261,6 @@ def test_fedprox_sends_its_anchor_once():
     (["--resume"], "--resume is for simulations"),
     (["--flower-timeout", "0"], "--flower-timeout must be > 0"),
     (["--faulty-clients", "0.1"], "--flower: --faulty-clients"),
-    (["--heterogeneous", "--algorithms", "fedavg"], "--flower: heterogeneous"),
 ])
 def test_pflax_run_flower_refuses_what_a_federation_does_not_run(flags, match,
                                                                   tmp_path):
@@ -275,14 +295,14 @@ def test_a_malformed_evaluation_is_dropped_not_counted():
     return reply
 
   config = dataclasses.replace(CONFIG, rounds=1)
-  honest = flower_src.run_in_process(flower.Experiment("fedavg", config, 0))
+  honest = flower.run_in_process(flower.Experiment("fedavg", config, 0))
   lost = lambda message: (message.metadata.message_type == "evaluate"
                           and message.metadata.dst_node_id == 4)
-  silent = flower_src.run_in_process(
+  silent = flower.run_in_process(
       flower.Experiment("fedavg", config, 0),
-      flower_src.InProcessGrid(flower_src.in_process_nodes(4), lost=lost))
-  liar = flower_src.run_in_process(
+      flower.InProcessGrid(flower.in_process_nodes(4), lost=lost))
+  liar = flower.run_in_process(
       flower.Experiment("fedavg", config, 0),
-      flower_src.InProcessGrid(flower_src.in_process_nodes(4, lying)))
+      flower.InProcessGrid(flower.in_process_nodes(4, lying)))
   accuracy = lambda s: s.results().runs[0].history[0].accuracies["personalized"]
   assert accuracy(liar) == accuracy(silent) != accuracy(honest)

@@ -6,7 +6,7 @@ One deployment of `LocalFederation` (TLS, SuperNode authentication, a SuperNode
 process per client) in which node `BAD` alone runs modified code: its processes
 (`node_env`: its SuperNode, its SuperExec and the ClientApp processes they
 start) have on their `PYTHONPATH` a `sitecustomize` (`DISHONEST`) that wraps
-`pflax._src.flower.apps.client_app`, as a participant could, so that its reply to
+`pflax._src.flower.client.client_app`, as a participant could, so that its reply to
 some messages is malformed (`ATTACKS`: one `train` and one `evaluate` reply in
 each of rounds 1 to 3; round 4 is honest). One run (`outcome`), about 2 minutes
 on 2 CPU cores, is checked by every test: it completes, each malformed reply is
@@ -46,7 +46,7 @@ TRAIN, EVALUATE = "train", "evaluate"
 
 DISHONEST = '''\
 """A dishonest pflax node: in its ClientApp processes (`flwr-clientapp`),
-`pflax._src.flower.apps.client_app` makes an app whose reply to each message that
+`pflax._src.flower.client.client_app` makes an app whose reply to each message that
 attacks.json (beside this file) names, by type and round, is changed. Each
 reply is noted in replies.txt: "TYPE ROUND PARTITION-ID changed|honest"."""
 import json
@@ -72,7 +72,7 @@ def _change(content, attack):
 
 def _install():
   from flwr import clientapp as flwr_clientapp
-  from pflax._src.flower import apps as flower
+  from pflax._src.flower import client as flower
   with open(os.path.join(HERE, "attacks.json"), encoding="utf-8") as f:
     attacks = {(a["message"], str(a["round"])): a for a in json.load(f)}
   honest_client_app = flower.client_app

@@ -18,7 +18,8 @@ from flwr.supercore import task_identity  # pylint: disable=wrong-import-positio
 
 from pflax import flower  # pylint: disable=wrong-import-position
 from pflax import simulate  # pylint: disable=wrong-import-position
-from pflax._src.flower import apps as flower_src  # pylint: disable=wrong-import-position
+from pflax._src.flower import wire  # pylint: disable=wrong-import-position
+from pflax._src.simulation import protocol  # pylint: disable=wrong-import-position
 from pflax._src.simulation import records  # pylint: disable=wrong-import-position
 
 CONFIG = simulate.ExperimentConfig(clients=4, rounds=1, local_epochs=1)
@@ -63,7 +64,7 @@ def _metric(key, value):
 
 def _reply(message, tree, metrics, change=None):
   """The reply to `message` holding `tree` and `metrics`, then `change`d."""
-  content = flower_src._packed(tree, flwr_app.MetricRecord(metrics), "metrics")  # pylint: disable=protected-access
+  content = wire.packed(tree, flwr_app.MetricRecord(metrics), "metrics")
   if change is not None:
     change(content)
   return flwr_app.Message(content, reply_to=message)
@@ -75,7 +76,7 @@ def registered():
   with pytest.MonkeyPatch.context() as patch:
     for name in ("_run_id", "_node_id", "_task_id"):
       patch.setattr(task_identity.TaskIdentity, name, 1)
-    grid = flower_src.InProcessGrid(flower_src.in_process_nodes(4))
+    grid = flower.InProcessGrid(flower.in_process_nodes(4))
     s = flower.PflaxStrategy(flower.Experiment("fedavg", CONFIG, 0))
     s.register(grid, timeout=0.0)
     s.messages = s.configure_train(1, None, None, grid)
@@ -97,7 +98,7 @@ def _train_replies(strategy, change):  # pylint: disable=redefined-outer-name
   replies = []
   for message in strategy.messages:
     client = int(message.content["config"]["client"])
-    model = flower_src._row(strategy._tasks.starts, client)  # pylint: disable=protected-access
+    model = protocol.client_row(strategy.groups, strategy._tasks.starts, client)  # pylint: disable=protected-access
     replies.append(_reply(message, {"model": model}, {"client": client, "loss": 0.5},
                           change if client == BAD else None))
   return replies
@@ -171,7 +172,7 @@ def _evaluate(strategy, change=None, lie=None):  # pylint: disable=redefined-out
   samples correct, `BAD`'s reply `change`d or its metrics updated with `lie`."""
   strategy.aggregate_train(1, _train_replies(strategy, None))
   messages = strategy.configure_evaluate(1, None, None, strategy.grid)
-  kinds = list(strategy._algorithm.evaluate(strategy._state))  # pylint: disable=protected-access
+  kinds = list(strategy.groups.algorithm.evaluate(strategy._state)[0])  # pylint: disable=protected-access
   replies = []
   for message in messages:
     client = int(message.content["config"]["client"])
@@ -271,10 +272,10 @@ def _counts(change):
     (lambda summary: summary.pop("tests"), "KeyError"),
 ])
 def test_an_invalid_registration_refuses_the_run_naming_the_client(change, match):
-  nodes = flower_src.in_process_nodes(4, _registering(change))
+  nodes = flower.in_process_nodes(4, _registering(change))
   strategy = flower.PflaxStrategy(flower.Experiment("cwfedavg", CONFIG, 0))
   with pytest.raises(RuntimeError, match=match) as error:
-    strategy.register(flower_src.InProcessGrid(nodes), timeout=0.0)
+    strategy.register(flower.InProcessGrid(nodes), timeout=0.0)
   assert "\n" not in str(error.value)
   assert "node 3" in str(error.value) or "client 2" in str(error.value)
 
@@ -290,8 +291,8 @@ def test_a_federation_completes_when_a_client_sends_a_huge_header():
       _arrays(lambda a: _raw(_npy((10**12,)), a))(reply.content)
     return reply
 
-  grid = flower_src.InProcessGrid(flower_src.in_process_nodes(4, huge))
-  run = flower_src.run_in_process(flower.Experiment("fedavg", CONFIG, 0),
+  grid = flower.InProcessGrid(flower.in_process_nodes(4, huge))
+  run = flower.run_in_process(flower.Experiment("fedavg", CONFIG, 0),
                                   grid).results().runs[0]
   assert [h.dropped_clients for h in run.history] == [(1,)]
   assert run.history[0].accuracies["personalized"].accuracy > 0.3

@@ -22,6 +22,7 @@ from pflax import algorithms
 from pflax import models
 from pflax import simulate
 from pflax._src.simulation import engine
+from pflax._src.simulation import groups
 from pflax._src.simulation import protocol
 from pflax._src.simulation import simulate as simulate_lib
 
@@ -134,11 +135,12 @@ def test_outlier_rule():
 def test_federation_drops_an_absurd_upload_like_the_engine():
   """`protocol.server_step` applies `engine.healthy_clients`: a 1e30 update is
   dropped from the round, the others are averaged."""
-  fedavg = algorithms.fedavg(models.MLP(3), optax.sgd(0.1))
+  model = models.MLP(3)
   m = 4
+  fedavg = groups.as_groups(algorithms.fedavg(model, optax.sgd(0.1)), model, m)
   state = algorithms.GlobalModel({"w": jnp.zeros(2)}, jnp.ones(m))
-  tasks = protocol.Tasks(clients=np.arange(m), starts={"w": jnp.zeros((m, 2))},
-                         contexts=None, keys=None, server_key=jax.random.key(0))
+  tasks = protocol.Tasks(clients=np.arange(m), starts=({"w": jnp.zeros((m, 2))},),
+                         contexts=(None,), keys=None, server_key=jax.random.key(0))
   uploads = {i: {"w": np.full(2, 1.0 + i, np.float32)} for i in range(m)}
   uploads[2] = {"w": np.full(2, 1e30, np.float32)}
   new, healthy = protocol.server_step(fedavg, state, tasks, uploads)

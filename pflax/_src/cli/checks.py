@@ -68,17 +68,16 @@ def check_flower_flags(invocation: config_lib.Invocation) -> None:
   if invocation.flower_timeout <= 0:
     raise messages.fail(f"--flower-timeout must be > 0, got "
                         f"{invocation.flower_timeout}")
-  try:
-    from pflax._src.flower import apps as flower  # pylint: disable=import-outside-toplevel
-  except ImportError:
-    raise messages.fail("--flower needs Flower: pip install 'pflax[flower]'") from None
+  if importlib.util.find_spec("flwr") is None:
+    raise messages.fail("--flower needs Flower: pip install 'pflax[flower]'")
+  from pflax._src.flower import experiment  # pylint: disable=import-outside-toplevel
   if invocation.flower == "simulation" and importlib.util.find_spec("ray") is None:
     raise messages.fail("--flower simulation needs Flower's simulation engine: pip "
                         "install 'flwr[simulation]'")
   config = invocation.config
   for name in invocation.algorithms:
     try:
-      flower.Experiment(name, config, invocation.seeds[0]).check()
+      experiment.Experiment(name, config, invocation.seeds[0]).check()
     except ValueError as e:
       raise messages.fail(f"--flower: {messages.flag_message(e)}") from None
   if invocation.flower == "deployment":

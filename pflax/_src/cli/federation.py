@@ -35,7 +35,7 @@ def federate(invocation: config_lib.Invocation
   run keeps them; SIGTERM stops the federation as SIGINT does.
   """
   import flwr  # pylint: disable=import-outside-toplevel
-  from pflax._src.flower import apps as flower  # pylint: disable=import-outside-toplevel
+  from pflax._src.flower import experiment  # pylint: disable=import-outside-toplevel
   from pflax._src.flower import deploy as flower_deploy  # pylint: disable=import-outside-toplevel
   out, config = invocation.out, invocation.config
   runs, traffic = [], {}
@@ -52,7 +52,7 @@ def federate(invocation: config_lib.Invocation
           bar = report.progress(config.rounds, f"{name} seed {seed} (flower)",
                                 invocation.progress)
           results = federation.run(
-              flower.Experiment(name, config, seed),
+              experiment.Experiment(name, config, seed),
               os.path.join(out, "flower-runs", f"run-{len(runs)}"),
               timeout=invocation.flower_timeout,
               on_round=lambda n: bar.update(n - bar.n))

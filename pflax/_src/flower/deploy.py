@@ -43,7 +43,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from pflax._src.flower import apps as flower
+from pflax._src.flower import experiment as experiment_lib
 from pflax._src.flower import guard as flower_guard
 from pflax._src.flower import keys as flower_keys
 from pflax._src.simulation import records
@@ -140,8 +140,8 @@ def write_app(directory: str) -> str:
   return directory
 
 
-def write_run_config(path: str, experiment: flower.Experiment, out: str = "",
-                     timeout: float = 600.0) -> str:
+def write_run_config(path: str, experiment: experiment_lib.Experiment,
+                     out: str = "", timeout: float = 600.0) -> str:
   """Writes the run config of `flwr run --run-config PATH` for `experiment`;
   returns `path`.
 
@@ -417,8 +417,9 @@ class LocalFederation:
     if self._own_workdir:
       shutil.rmtree(self.workdir, ignore_errors=True)
 
-  def run(self, experiment: flower.Experiment, out: str, timeout: float = 600.0,
-          on_round: Callable[[int], None] | None = None) -> records.Results:
+  def run(self, experiment: experiment_lib.Experiment, out: str,
+          timeout: float = 600.0, on_round: Callable[[int], None] | None = None
+          ) -> records.Results:
     """Runs `experiment` in the federation (`flwr run`); its results, also in
     `out/results.json`.
 

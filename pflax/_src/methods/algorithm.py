@@ -15,6 +15,11 @@ holds its state in a NamedTuple of its own. One round of the engine
 
 `evaluate(state)` returns the models to test by kind (`EVALUATED`). An optional
 `warmup` phase trains every client once before round 1 (FedClassAvg).
+
+An algorithm over clients of several architectures (`architectures`, built by
+`pflax.algorithms.heterogeneous`) speaks tuples of stacked clients, one
+`(m_g, ...)` tree per architecture `g`, wherever a plain one speaks one `(M,
+...)` tree.
 """
 
 from collections.abc import Callable
@@ -23,6 +28,7 @@ from typing import Any, NamedTuple
 import chex
 import flax.linen as nn
 import jax
+import numpy as np
 import optax
 
 from pflax._src.core import checks
@@ -57,6 +63,37 @@ def no_context(state: State) -> None:
   del state
 
 
+def round_robin(num_clients: int, num_groups: int) -> tuple[np.ndarray, ...]:
+  """Client i in group `i % num_groups`: each non-empty group's client indices.
+
+  >>> [index.tolist() for index in round_robin(5, 2)]
+  [[0, 2, 4], [1, 3]]
+  """
+  return tuple(np.arange(g, num_clients, num_groups)
+               for g in range(min(num_groups, num_clients)))
+
+
+class Architectures(NamedTuple):
+  """The architectures of an algorithm over model-heterogeneous clients.
+
+  Client i uses architecture `i % G` (round robin); with M < G clients only
+  the first M architectures have any.
+
+  Attributes:
+    models: the G Flax models.
+    members: each architecture's algorithm, whose `loss`, `optimizer`,
+      `keep_opt_state` and `unroll` train its clients.
+    shared: selector of the layers that every architecture shares.
+  """
+  models: tuple[nn.Module, ...]
+  members: tuple["Algorithm", ...]
+  shared: types.Selector
+
+  def clients(self, num_clients: int) -> tuple[np.ndarray, ...]:
+    """Each used architecture's client indices among `num_clients` clients."""
+    return round_robin(num_clients, len(self.models))
+
+
 class Algorithm(NamedTuple):
   """One federated algorithm as pure functions of an explicit state.
 
@@ -66,7 +103,8 @@ class Algorithm(NamedTuple):
     client_models: `client_models(state) -> (M, ...)` models to train from.
     loss: one client's local objective (`LossFn`).
     optimizer: the clients' optax optimizer.
-    server_update: `server_update(state, trained, mask, key) -> state`.
+    server_update: `server_update(state, trained, mask, key) -> state`, with
+      `mask` the bool `(M,)` of the clients aggregated.
     evaluate: `evaluate(state) -> {kind: (M, ...) models}`, kinds from
       `EVALUATED`, "personalized" always present.
     client_context: `client_context(state) -> (M, ...)` per-client constants
@@ -75,6 +113,13 @@ class Algorithm(NamedTuple):
       next round (else it is fresh every round).
     warmup: an optional `Warmup` phase before round 1.
     unroll: `lax.scan` unroll of the local steps (`pflax.train.make_trainer`).
+    architectures: None, or the `Architectures` of model-heterogeneous
+      clients: then every `(M, ...)` tree above (the `params` of `init`,
+      `client_models`, `client_context`, `trained`, `evaluate`'s models) is
+      a tuple of one `(m_g, ...)` tree per used architecture, and `mask`
+      stays `(M,)`. `loss`, `optimizer`, `keep_opt_state` and `unroll` are
+      then architecture 0's: architecture g trains with
+      `architectures.members[g]`.
   """
   init: Callable[[types.Stacked, chex.Array, chex.PRNGKey], State]
   client_models: Callable[[State], types.Stacked]
@@ -86,6 +131,7 @@ class Algorithm(NamedTuple):
   keep_opt_state: bool = False
   warmup: Warmup | None = None
   unroll: int | bool | None = None
+  architectures: Architectures | None = None
 
 
 def logits(model: nn.Module, params: types.Tree, x: chex.Array) -> chex.Array:

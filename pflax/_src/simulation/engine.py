@@ -14,10 +14,12 @@ seed and a federation. One round of one run is pure:
    and previous optimizer state; the server step (`server_step`) aggregates;
    a round without any healthy client keeps the state (`keep_if_nobody`).
 
-A Flower federation (`pflax._src.simulation.protocol`) runs the same round in pieces with
-these functions: the key schedule (`round_keys`, `round_participants`,
-`group_training_keys`, `warmup_training_keys`) and the server steps
-(`server_step`, `warmup_step`).
+A Flower federation (`pflax._src.simulation.protocol`) and the differentiable
+run (`pflax._src.simulation.tune`) run the same round with these functions: the
+initial state (`initial_state`, `initial_carry`), the key schedule
+(`round_keys`, `round_participants`, `group_training_keys`,
+`warmup_training_keys`), a client's local training (`client_trainer`) and the
+server steps (`server_step`, `warmup_step`), for every architecture group.
 
 Several runs (seeds, values of a swept hyperparameter) are that round mapped
 over a leading run axis: with the client mapping "vmap" or "map" a round of all
@@ -46,7 +48,7 @@ from pflax._src.core import types
 from pflax._src.core import weights as weights_lib
 from pflax._src.data import federation as federation_lib
 from pflax._src.methods import algorithm as alg
-from pflax._src.methods import groups as groups_lib
+from pflax._src.simulation import groups as groups_lib
 from pflax._src.training import mapping
 from pflax._src.training import models as models_lib
 from pflax._src.training import parts as parts_lib
@@ -265,7 +267,7 @@ class Carry(NamedTuple):
   leading run axis). A checkpoint stores it as the pair `(state, opt_states)`.
 
   Attributes:
-    state: the algorithm's state (`Groups.init`, `Groups.server_update`).
+    state: the algorithm's state (`initial_state`, `server_step`).
     opt_states: each group's `(m_g, ...)` stacked optimizer states of its
       clients, read where the group's algorithm keeps them (`keep_opt_state`).
   """
@@ -331,30 +333,27 @@ def _group_chosen(took_part: chex.Array, index: np.ndarray, count: int,
   return jnp.sort(rank)
 
 
-def _client_inputs(member: alg.Algorithm, start: types.Stacked,
-                   opt_state: optax.OptState, context: types.Stacked | None,
-                   fed: federation_lib.Federation, chosen: chex.Array | None,
+def _client_inputs(start: types.Stacked, opt_state: optax.OptState,
+                   context: types.Stacked | None, fed: federation_lib.Federation,
+                   chosen: chex.Array | None,
                    keys: Callable[[chex.Array], chex.Array]) -> ClientInputs:
-  """The training clients' starting models, optimizer states, data and keys.
+  """The training clients' starting models, stored optimizer states, data and keys.
 
   `keys(ids)` are the training keys of the clients at positions `ids` of the
-  group (`group_training_keys`, `warmup_training_keys`). The optimizer state
-  is fresh unless the algorithm keeps it.
+  group (`group_training_keys`, `warmup_training_keys`).
   """
-  start = _take(chosen, start)
-  opt_state = (_take(chosen, opt_state) if member.keep_opt_state
-               else train_lib.init_opt_state(member.optimizer, start))
   x, y, mask = _take(chosen, (fed.x, fed.y, fed.mask))
   ids = jnp.arange(fed.x.shape[0]) if chosen is None else chosen
-  return ClientInputs(start, opt_state, _take(chosen, context), x, y, mask, keys(ids))
+  return ClientInputs(_take(chosen, start), _take(chosen, opt_state),
+                      _take(chosen, context), x, y, mask, keys(ids))
 
 
-def _to_clients(parts: tuple[chex.Array, ...], groups: groups_lib.Groups,
-                m: int) -> chex.Array:
-  """Per-group `(m_g,)` vectors as one `(M,)` vector in client order."""
+def in_client_order(groups: groups_lib.Groups,
+                    parts: tuple[chex.Array, ...]) -> chex.Array:
+  """Per-group `(m_g, ...)` arrays as one `(M, ...)` array in client order."""
   if len(parts) == 1:
     return parts[0]
-  out = jnp.zeros((m,), parts[0].dtype)
+  out = jnp.zeros((groups.num_clients, *parts[0].shape[1:]), parts[0].dtype)
   for part, index in zip(parts, groups.clients):
     out = out.at[index].set(part)
   return out
@@ -384,13 +383,13 @@ def _round_inputs(plan: Plan, groups: groups_lib.Groups, carry: Carry,
   everyone = chosen.shape[0] == plan.num_clients
   group_chosen = tuple(_group_chosen(took_part, index, chosen.shape[0], everyone)
                        for index in groups.clients)
-  starts = groups.client_models(carry.state)
-  contexts = groups.client_context(carry.state)
+  starts = groups.algorithm.client_models(carry.state)
+  contexts = groups.algorithm.client_context(carry.state)
   clients = tuple(
-      _client_inputs(member, start, opt, context, fed, picked,
+      _client_inputs(start, opt, context, fed, picked,
                      functools.partial(group_training_keys, train_key, g))
-      for g, (member, start, opt, context, fed, picked) in enumerate(zip(
-          groups.members, starts, carry.opt_states, contexts, feds, group_chosen)))
+      for g, (start, opt, context, fed, picked) in enumerate(zip(
+          starts, carry.opt_states, contexts, feds, group_chosen)))
   return _Inputs(clients, group_chosen, took_part, faulty, server_key)
 
 
@@ -402,7 +401,7 @@ def _trained(groups: groups_lib.Groups, carry: Carry, inputs: _Inputs,
   Clients that did not train keep their starting models, optimizer states and
   a loss of 0.
   """
-  starts = groups.client_models(carry.state)
+  starts = groups.algorithm.client_models(carry.state)
   trained, opts, losses = [], [], []
   for member, start, opt, chosen, result in zip(groups.members, starts, carry.opt_states,
                                                 inputs.chosen, results):
@@ -410,33 +409,30 @@ def _trained(groups: groups_lib.Groups, carry: Carry, inputs: _Inputs,
     opts.append(_put(chosen, opt, result.opt_state) if member.keep_opt_state else opt)
     m_g = tree_lib.num_clients(start)
     losses.append(_put(chosen, jnp.zeros(m_g), result.loss))
-  m = inputs.took_part.shape[0]
-  return starts, tuple(trained), tuple(opts), _to_clients(tuple(losses), groups, m)
+  return starts, tuple(trained), tuple(opts), in_client_order(groups, tuple(losses))
 
 
 def _health(groups: groups_lib.Groups, took_part: chex.Array, starts: PerGroup,
             uploads: PerGroup, outlier_factor: float | None) -> chex.Array:
   """`healthy_clients` of all groups' uploads, `(M,)` in client order."""
-  m = took_part.shape[0]
-  finite = _to_clients(tuple(tree_lib.finite_clients(u) for u in uploads), groups, m)
+  finite = in_client_order(groups, tuple(tree_lib.finite_clients(u) for u in uploads))
   if not outlier_factor:
     return took_part & finite
-  norms = _to_clients(tuple(robust_lib.log2_update_norms(u, s)
-                            for s, u in zip(starts, uploads)), groups, m)
+  norms = in_client_order(groups, tuple(robust_lib.log2_update_norms(u, s)
+                                        for s, u in zip(starts, uploads)))
   return healthy_clients(took_part, finite, norms, outlier_factor)
 
 
 def _healthy_uploads(groups: groups_lib.Groups, took_part: chex.Array, starts: PerGroup,
                      uploads: PerGroup, outlier_factor: float | None
-                     ) -> tuple[chex.Array, PerGroup, tuple[chex.Array, ...]]:
-  """`(healthy, uploads, masks)`: the clients' health (`_health`), the uploads
-  with the unhealthy clients given back their starting models (so no update
-  reads them) and each group's rows of `healthy`."""
+                     ) -> tuple[chex.Array, PerGroup]:
+  """`(healthy, uploads)`: the clients' health (`_health`) and the uploads with
+  the unhealthy clients given back their starting models (so no update reads
+  them)."""
   healthy = _health(groups, took_part, starts, uploads, outlier_factor)
-  masks = _group_masks(groups, healthy)
   kept = tuple(weights_lib.keep_masked(u, s, mask)
-               for u, s, mask in zip(uploads, starts, masks))
-  return healthy, kept, masks
+               for u, s, mask in zip(uploads, starts, _group_masks(groups, healthy)))
+  return healthy, kept
 
 
 def server_step(groups: groups_lib.Groups, state: alg.State, starts: PerGroup,
@@ -461,21 +457,19 @@ def server_step(groups: groups_lib.Groups, state: alg.State, starts: PerGroup,
     key: the round's server key (`round_keys`).
     outlier_factor: the health rule's factor (`update_outliers`); None disables.
   """
-  healthy, kept, masks = _healthy_uploads(groups, took_part, starts, uploads,
-                                          outlier_factor)
-  new = groups.server_update(state, kept, masks, key)
+  healthy, kept = _healthy_uploads(groups, took_part, starts, uploads, outlier_factor)
+  new = groups.algorithm.server_update(state, kept, healthy, key)
   return keep_if_nobody(healthy, new, state), healthy
 
 
 def warmup_step(groups: groups_lib.Groups, state: alg.State, starts: PerGroup,
                 uploads: PerGroup, outlier_factor: float | None = OUTLIER_FACTOR
                 ) -> alg.State:
-  """The warm-up update (`Groups.warmup`) on every client's upload, the
+  """The warm-up update (`Algorithm.warmup`) on every client's upload, the
   unhealthy ones dropped as in `server_step`."""
-  m = sum(tree_lib.num_clients(u) for u in uploads)
-  _, kept, masks = _healthy_uploads(groups, jnp.ones(m, bool), starts, uploads,
-                                    outlier_factor)
-  return groups.warmup.update(state, kept, masks)
+  healthy, kept = _healthy_uploads(groups, jnp.ones(groups.num_clients, bool), starts,
+                                   uploads, outlier_factor)
+  return groups.algorithm.warmup.update(state, kept, healthy)
 
 
 def _with_faults(groups: groups_lib.Groups, starts: PerGroup, uploads: PerGroup,
@@ -520,12 +514,11 @@ def _warmup_inputs(groups: groups_lib.Groups, carry: Carry,
   """The warm-up: every client trains, with its warm-up key."""
   keys = functools.partial(warmup_training_keys, seed)
   clients = tuple(
-      _client_inputs(member, start, opt, context, fed, None, keys)
-      for member, start, opt, context, fed in zip(
-          groups.members, groups.client_models(carry.state), carry.opt_states,
-          groups.client_context(carry.state), feds))
-  m = sum(f.x.shape[0] for f in feds)
-  everyone = jnp.ones(m, bool)
+      _client_inputs(start, opt, context, fed, None, keys)
+      for start, opt, context, fed in zip(
+          groups.algorithm.client_models(carry.state), carry.opt_states,
+          groups.algorithm.client_context(carry.state), feds))
+  everyone = jnp.ones(groups.num_clients, bool)
   return _Inputs(clients, (None,) * len(feds), everyone, ~everyone, run_keys(seed)[1])
 
 
@@ -538,18 +531,75 @@ def _warmup_outputs(groups: groups_lib.Groups, carry: Carry, inputs: _Inputs,
                carry.opt_states)
 
 
-def _initial_carry(groups: groups_lib.Groups, feds: tuple[federation_lib.Federation, ...],
-                   class_counts: chex.Array, seed: chex.Array) -> Carry:
-  """One run's initial state (every client from one model) and optimizer states."""
+def cast_floating(tree: types.Tree, dtype: chex.ArrayDType | None) -> types.Tree:
+  """The floating leaves of `tree` in `dtype` (None: `tree` unchanged)."""
+  if dtype is None:
+    return tree
+  floating = lambda x: jnp.issubdtype(jnp.result_type(x), jnp.floating)
+  return jax.tree.map(lambda x: x.astype(dtype) if floating(x) else x, tree)
+
+
+def initial_state(groups: groups_lib.Groups, sample_input: chex.Array,
+                  class_counts: chex.Array, seed: int | chex.Array,
+                  dtype: chex.ArrayDType | None = None) -> alg.State:
+  """The algorithm's state before round 1: each group's clients start from one
+  model of the group's architecture, drawn with the run's init key (`run_keys`).
+
+  Args:
+    groups: the algorithm.
+    sample_input: one input batch `(1, ...)` (only its shape and dtype matter).
+    class_counts: `(M, K)` training class counts, as declared (`declared_counts`).
+    seed: the run's seed.
+    dtype: None, or the float dtype of the initial models (`cast_floating`).
+  """
   key = run_keys(seed)[0]
-  params = tuple(models_lib.init_stacked(model, key, fed.x[0, :1], fed.x.shape[0],
-                                         same_init=True)
-                 for model, fed in zip(groups.models, feds))
-  state = groups.init(params, class_counts, key)
+  params = tuple(cast_floating(models_lib.init_stacked(
+      model, key, sample_input, len(index), same_init=True), dtype)
+                 for model, index in zip(groups.models, groups.clients))
+  return groups.algorithm.init(params, class_counts, key)
+
+
+def initial_carry(groups: groups_lib.Groups, sample_input: chex.Array,
+                  class_counts: chex.Array, seed: int | chex.Array,
+                  dtype: chex.ArrayDType | None = None) -> Carry:
+  """One run's `initial_state` and each client's fresh optimizer state."""
+  state = initial_state(groups, sample_input, class_counts, seed, dtype)
   opt_states = tuple(train_lib.init_opt_state(member.optimizer, start)
                      for member, start in zip(groups.members,
-                                              groups.client_models(state)))
+                                              groups.algorithm.client_models(state)))
   return Carry(state, opt_states)
+
+
+def start_opt_state(member: alg.Algorithm, params: types.Tree,
+                    stored: optax.OptState | None) -> optax.OptState:
+  """A client's optimizer state at the start of its local training: `stored`
+  (its state after its last round) where `member` keeps it (`keep_opt_state`),
+  else, or for None, a fresh one."""
+  if stored is None or not member.keep_opt_state:
+    return member.optimizer.init(params)
+  return stored
+
+
+def client_trainer(member: alg.Algorithm, epochs: int, batch_size: int, *,
+                   remat: bool = False) -> Callable[..., train_lib.ClientResult]:
+  """One client's local training in a group: `train(params, opt_state, context,
+  x, y, mask, key) -> ClientResult`, unstacked.
+
+  The client trains with its group's `member` (its `loss`, `optimizer` and
+  `unroll`), from `start_opt_state(member, params, opt_state)`.
+
+  Args:
+    member: the group's algorithm (`Groups.members`).
+    epochs, batch_size: local training.
+    remat: checkpoint each local step (`pflax.train.train_client`), for
+      reverse-mode differentiation through the training.
+  """
+  def train(params, opt_state, context, x, y, mask, key):
+    return train_lib.train_client(
+        member.loss, member.optimizer, params, start_opt_state(member, params, opt_state),
+        context, x, y, mask, key, epochs=epochs, batch_size=batch_size,
+        unroll=member.unroll, remat=remat)
+  return train
 
 
 def _merge_runs(tree: types.Tree) -> types.Tree:
@@ -567,9 +617,7 @@ def _client_trainer(plan: Plan, epochs: int, g: int
   """One client's local training in group `g`, a function of `(value, *client)`."""
   def train_one(value, *client):
     member = plan.build(value).members[g]
-    return train_lib.train_client(member.loss, member.optimizer, *client,
-                                  epochs=epochs, batch_size=plan.batch_size,
-                                  unroll=member.unroll)
+    return client_trainer(member, epochs, plan.batch_size)(*client)
   return train_one
 
 
@@ -645,20 +693,22 @@ def _evaluator(plan: Plan, groups: groups_lib.Groups
 
   def evaluate(value, carry, feds):
     built = plan.build(value)
-    held = built.evaluate(carry.state)
-    m = sum(f.x.shape[0] for f in feds)
-    correct = {kind: _to_clients(tuple(
+    held = built.algorithm.evaluate(carry.state)
+    correct = {kind: in_client_order(built, tuple(
         count(h[kind], f.test_x, f.test_y, f.test_mask)
-        for count, h, f in zip(counters, held, feds)), built, m)
+        for count, h, f in zip(counters, held, feds)))
                for kind in held[0]}
-    norms = [output_norms(h["personalized"], plan.output) for h in held]
-    if len(norms) == 1:
-      return correct, norms[0]
-    out = jnp.zeros((m, norms[0].shape[-1]), jnp.float32)
-    for n, index in zip(norms, built.clients):
-      out = out.at[index].set(n)
-    return correct, out
+    return correct, client_output_norms(built, held, plan.output)
   return evaluate
+
+
+def client_output_norms(groups: groups_lib.Groups,
+                        held: tuple[dict[str, types.Stacked], ...],
+                        where: types.Selector = parts_lib.PFLAX_OUTPUT) -> chex.Array:
+  """`(M, K)` `output_norms` of every client's personalized model, from the
+  evaluated models of each group (`Algorithm.evaluate`)."""
+  return in_client_order(groups, tuple(output_norms(h["personalized"], where)
+                                       for h in held))
 
 
 def output_norms(params: types.Stacked, where: types.Selector = parts_lib.PFLAX_OUTPUT
@@ -691,13 +741,14 @@ def build_programs(plan: Plan) -> Programs:
   groups = plan.build(None)
   num_groups = len(groups.members)
   def initial(value, feds, counts, seed):
-    return _initial_carry(plan.build(value), feds, declared_counts(plan, counts, seed),
-                          seed)
+    return initial_carry(plan.build(value), feds[0].x[0, :1],
+                         declared_counts(plan, counts, seed), seed)
 
   starting = jax.jit(jax.vmap(initial))
-  warm = (_phase(plan, groups.warmup.epochs, num_groups, _warmup_inputs,
+  warmup = groups.algorithm.warmup
+  warm = (_phase(plan, warmup.epochs, num_groups, _warmup_inputs,
                  functools.partial(_warmup_outputs, outlier_factor=plan.outlier_factor))
-          if groups.warmup else None)
+          if warmup else None)
 
   def init(values, feds, class_counts, seeds):
     carry = starting(values, feds, class_counts, seeds)

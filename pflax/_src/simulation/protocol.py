@@ -3,12 +3,14 @@
 `pflax.simulate` runs a round of all clients as one program. A federation
 outside the simulator (`pflax.flower`) runs the same round in pieces, on other
 machines: the server draws the participants and gives each its starting model,
-its loss's context and its training key (`round_tasks`); each client trains on
-its own data (`client_update`); the server aggregates the uploads it received
-(`server_step`). The pieces are the engine's (`pflax._src.simulation.engine`): its key
-schedule and its server steps on one architecture group, so with the same
-seed, data and algorithm they compute the engine's round, and a client whose
-upload never arrives is dropped exactly as the engine drops a faulty one.
+its loss's context and its training key (`round_tasks`, `client_task`); each
+client trains on its own data with its architecture group's algorithm
+(`client_update`); the server aggregates the uploads it received
+(`server_step`). The pieces are the engine's (`pflax._src.simulation.engine`):
+its initial state, key schedule, client training and server steps over every
+architecture group (`pflax._src.simulation.groups`), so with the same seed,
+data and algorithm they compute the engine's round, and a client whose upload
+never arrives is dropped exactly as the engine drops a faulty one.
 """
 
 import functools
@@ -23,61 +25,53 @@ import numpy as np
 import optax
 
 from pflax._src.core import prng
-from pflax._src.core import tree as tree_lib
 from pflax._src.core import types
 from pflax._src.data import federation as federation_lib
 from pflax._src.methods import algorithm as alg
-from pflax._src.methods import groups as groups_lib
 from pflax._src.simulation import engine
-from pflax._src.training import models
+from pflax._src.simulation import groups as groups_lib
 from pflax._src.training import train as train_lib
-
-
-def initial_state(algorithm: alg.Algorithm, model: nn.Module, sample_input: chex.Array,
-                  class_counts: chex.Array, seed: int) -> alg.State:
-  """The algorithm's state before round 1, as the engine makes it from `seed`.
-
-  Args:
-    algorithm: the algorithm.
-    model: its Flax model.
-    sample_input: one input batch `(1, ...)` (its shape and dtype matter).
-    class_counts: `(M, K)` training class counts of all clients.
-    seed: the run's seed.
-  """
-  key = engine.run_keys(seed)[0]
-  params = models.init_stacked(model, key, sample_input, class_counts.shape[0],
-                               same_init=True)
-  return algorithm.init(params, jnp.asarray(class_counts), key)
-
 
 class Tasks(NamedTuple):
   """What the server sends the participants of a round.
 
   Attributes:
     clients: `(P,)` the participants, sorted.
-    starts: `(M, ...)` every client's starting model (`client_models(state)`).
-    contexts: `(M, ...)` every client's loss context (None if the loss has none).
+    starts: per group, its clients' `(m_g, ...)` starting models
+      (`client_models(state)`).
+    contexts: per group, its clients' `(m_g, ...)` loss contexts (None for a
+      loss without one).
     keys: `(M, 2)` uint32 key data of every client's training key.
     server_key: the key of the round's server step.
   """
   clients: np.ndarray
-  starts: types.Stacked
-  contexts: types.Stacked | None
+  starts: engine.PerGroup
+  contexts: tuple[types.Stacked | None, ...]
   keys: np.ndarray
   server_key: chex.PRNGKey
 
 
-def training_keys(seed: int, t: int, num_clients: int) -> tuple[np.ndarray, ...]:
-  """Round `t`'s (from 0) participant key, `(M, 2)` client key data, server key."""
+def _key_data(groups: groups_lib.Groups,
+              group_keys: Callable[[int, chex.Array], chex.Array]) -> np.ndarray:
+  """`(M, 2)` key data of every client's key `group_keys(g, positions)`, in
+  client order."""
+  parts = tuple(np.asarray(jax.random.key_data(group_keys(g, jnp.arange(len(index)))))
+                for g, index in enumerate(groups.clients))
+  return np.asarray(engine.in_client_order(groups, parts))
+
+
+def training_keys(groups: groups_lib.Groups, seed: int, t: int
+                  ) -> tuple[chex.PRNGKey, np.ndarray, chex.PRNGKey]:
+  """Round `t`'s (from 0) participant key, `(M, 2)` client key data (each
+  client's `group_training_keys`), server key."""
   sample_key, train_key, server_key = engine.round_keys(engine.run_keys(seed)[2], t)
-  keys = engine.group_training_keys(train_key, 0, jnp.arange(num_clients))
-  return sample_key, np.asarray(jax.random.key_data(keys)), server_key
+  keys = _key_data(groups, functools.partial(engine.group_training_keys, train_key))
+  return sample_key, keys, server_key
 
 
-def warmup_keys(seed: int, num_clients: int) -> np.ndarray:
+def warmup_keys(groups: groups_lib.Groups, seed: int) -> np.ndarray:
   """`(M, 2)` key data of the clients' warm-up training keys."""
-  keys = engine.warmup_training_keys(seed, jnp.arange(num_clients))
-  return np.asarray(jax.random.key_data(keys))
+  return _key_data(groups, lambda g, ids: engine.warmup_training_keys(seed, ids))
 
 
 def key_from_data(data: Any) -> chex.PRNGKey:
@@ -86,37 +80,60 @@ def key_from_data(data: Any) -> chex.PRNGKey:
                                   impl=prng.IMPL)
 
 
-def round_tasks(algorithm: alg.Algorithm, state: alg.State, seed: int, t: int,
-                num_clients: int, participation: float) -> Tasks:
+def round_tasks(groups: groups_lib.Groups, state: alg.State, seed: int, t: int,
+                participation: float) -> Tasks:
   """Round `t`'s (from 0) participants and what each trains from."""
-  sample_key, keys, server_key = training_keys(seed, t, num_clients)
-  chosen = engine.round_participants(sample_key, num_clients, participation)
-  return Tasks(np.asarray(chosen), algorithm.client_models(state),
-               algorithm.client_context(state), keys, server_key)
+  sample_key, keys, server_key = training_keys(groups, seed, t)
+  chosen = engine.round_participants(sample_key, groups.num_clients, participation)
+  return Tasks(np.asarray(chosen), groups.algorithm.client_models(state),
+               groups.algorithm.client_context(state), keys, server_key)
+
+
+def warmup_tasks(groups: groups_lib.Groups, state: alg.State, seed: int) -> Tasks:
+  """The warm-up's tasks: every client trains, with its warm-up key."""
+  return Tasks(np.arange(groups.num_clients), groups.algorithm.client_models(state),
+               groups.algorithm.client_context(state), warmup_keys(groups, seed), None)
+
+
+def client_row(groups: groups_lib.Groups, per_group: engine.PerGroup, client: int
+               ) -> types.Tree:
+  """Client `client`'s row of per-group stacked trees (host arrays)."""
+  g, j = groups.position(client)
+  return jax.tree.map(lambda x: np.asarray(x[j]), per_group[g])
+
+
+def client_task(groups: groups_lib.Groups, tasks: Tasks, client: int
+                ) -> tuple[types.Tree, types.Tree | None, np.ndarray]:
+  """`(start, context, key data)` of client `client` in `tasks`."""
+  context = tasks.contexts[groups.position(client)[0]]
+  return (client_row(groups, tasks.starts, client),
+          None if context is None else client_row(groups, tasks.contexts, client),
+          tasks.keys[client])
 
 
 @functools.lru_cache(maxsize=16)
-def _trainer(loss: train_lib.LossFn, optimizer: optax.GradientTransformation,
-             unroll: int | bool | None, epochs: int, batch_size: int
+def _trainer(member: alg.Algorithm, epochs: int, batch_size: int
              ) -> Callable[..., train_lib.ClientResult]:
-  return jax.jit(functools.partial(train_lib.train_client, loss, optimizer,
-                                   epochs=epochs, batch_size=batch_size, unroll=unroll))
+  return jax.jit(engine.client_trainer(member, epochs, batch_size))
 
 
-def client_update(algorithm: alg.Algorithm, params: types.Tree,
+def client_update(member: alg.Algorithm, params: types.Tree,
                   opt_state: optax.OptState | None, context: types.Tree | None,
                   data: federation_lib.ClientData, key: chex.PRNGKey, *, epochs: int,
                   batch_size: int) -> train_lib.ClientResult:
-  """One client's local training, as the engine trains it.
+  """One client's local training, as the engine trains it (`engine.client_trainer`).
 
-  `opt_state` is the client's optimizer state from its last round, used when
-  the algorithm keeps it (`keep_opt_state`); None or otherwise a fresh one.
+  Args:
+    member: the algorithm of the client's group (`Groups.members`).
+    params, context: the client's task (`client_task`).
+    opt_state: its optimizer state after its last round, used where the
+      algorithm keeps it (`keep_opt_state`); None: a fresh one.
+    data: its data.
+    key: its training key (`key_from_data`).
+    epochs, batch_size: local training.
   """
-  if opt_state is None or not algorithm.keep_opt_state:
-    opt_state = algorithm.optimizer.init(params)
-  train = _trainer(algorithm.loss, algorithm.optimizer, algorithm.unroll, epochs,
-                   batch_size)
-  return train(params, opt_state, context, data.x, data.y, data.mask, key)
+  return _trainer(member, epochs, batch_size)(params, opt_state, context, data.x,
+                                              data.y, data.mask, key)
 
 
 def finite(tree: types.Tree) -> bool:
@@ -124,39 +141,37 @@ def finite(tree: types.Tree) -> bool:
   return bool(all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(tree)))
 
 
-def with_uploads(starts: types.Stacked, uploads: dict[int, types.Tree]
-                 ) -> tuple[types.Stacked, np.ndarray]:
+def with_uploads(groups: groups_lib.Groups, starts: engine.PerGroup,
+                 uploads: dict[int, types.Tree]) -> tuple[engine.PerGroup, np.ndarray]:
   """`(trained, received)`: the starts with the received clients' uploads in place,
-  and bool `(M,)` marking those clients."""
-  m = tree_lib.num_clients(starts)
-  received = np.zeros(m, bool)
-  trained = jax.tree.map(np.array, starts)       # a host copy to write rows into
-  leaves, structure = jax.tree.flatten(trained)
+  and bool `(M,)` marking those clients.
+
+  Raises:
+    ValueError: for an upload that is not a tree of its group's structure.
+  """
+  received = np.zeros(groups.num_clients, bool)
+  trained = jax.tree.map(np.array, starts)       # host copies to write rows into
   for i, upload in uploads.items():
+    g, j = groups.position(i)
+    leaves, structure = jax.tree.flatten(trained[g])
     if jax.tree.structure(upload) != structure:
       raise ValueError(f"client {i}'s upload is not a tree of the structure "
                        f"{structure}, got {jax.tree.structure(upload)}.")
     received[i] = True
     for full, row in zip(leaves, jax.tree.leaves(upload)):
-      full[i] = row
+      full[j] = row
   return trained, received
 
 
-def _one_group(algorithm: alg.Algorithm, starts: types.Stacked) -> groups_lib.Groups:
-  """The engine's form of `algorithm` on the clients of `starts`: one group
-  (whose model, which the server steps do not read, is not known here)."""
-  return groups_lib.one_group(algorithm, None, tree_lib.num_clients(starts))
-
-
 @functools.partial(jax.jit, static_argnums=(0, 6))
-def _server_step(algorithm: alg.Algorithm, state: alg.State, starts: types.Stacked,
-                 trained: types.Stacked, received: chex.Array, key: chex.PRNGKey,
+def _server_step(groups: groups_lib.Groups, state: alg.State, starts: engine.PerGroup,
+                 trained: engine.PerGroup, received: chex.Array, key: chex.PRNGKey,
                  outlier_factor: float | None) -> tuple[alg.State, chex.Array]:
-  return engine.server_step(_one_group(algorithm, starts), state, (starts,), (trained,),
-                            received, key, outlier_factor)
+  return engine.server_step(groups, state, starts, trained, received, key,
+                            outlier_factor)
 
 
-def server_step(algorithm: alg.Algorithm, state: alg.State, tasks: Tasks,
+def server_step(groups: groups_lib.Groups, state: alg.State, tasks: Tasks,
                 uploads: dict[int, types.Tree], *,
                 outlier_factor: float | None = engine.OUTLIER_FACTOR
                 ) -> tuple[alg.State, np.ndarray]:
@@ -167,27 +182,26 @@ def server_step(algorithm: alg.Algorithm, state: alg.State, tasks: Tasks,
   engine's rule (`engine.healthy_clients`): it counts as absent from the
   server step. A round with no healthy upload keeps the state.
   """
-  trained, received = with_uploads(tasks.starts, uploads)
-  state, healthy = _server_step(algorithm, state, tasks.starts, trained, received,
+  trained, received = with_uploads(groups, tasks.starts, uploads)
+  state, healthy = _server_step(groups, state, tasks.starts, trained, received,
                                 tasks.server_key, outlier_factor or None)
   return state, np.asarray(healthy)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
-def _warmup_step(algorithm: alg.Algorithm, state: alg.State, starts: types.Stacked,
-                 trained: types.Stacked, outlier_factor: float | None) -> alg.State:
-  return engine.warmup_step(_one_group(algorithm, starts), state, (starts,), (trained,),
-                            outlier_factor)
+def _warmup_step(groups: groups_lib.Groups, state: alg.State, starts: engine.PerGroup,
+                 trained: engine.PerGroup, outlier_factor: float | None) -> alg.State:
+  return engine.warmup_step(groups, state, starts, trained, outlier_factor)
 
 
-def warmup_step(algorithm: alg.Algorithm, state: alg.State,
+def warmup_step(groups: groups_lib.Groups, state: alg.State,
                 uploads: dict[int, types.Tree], *,
                 outlier_factor: float | None = engine.OUTLIER_FACTOR) -> alg.State:
   """The engine's `warmup_step` (`Algorithm.warmup`) on the uploads received,
   the non-finite and outlying ones dropped (`engine.healthy_clients`)."""
-  starts = algorithm.client_models(state)
-  trained, _ = with_uploads(starts, uploads)
-  return _warmup_step(algorithm, state, starts, trained, outlier_factor or None)
+  starts = groups.algorithm.client_models(state)
+  trained, _ = with_uploads(groups, starts, uploads)
+  return _warmup_step(groups, state, starts, trained, outlier_factor or None)
 
 
 @functools.lru_cache(maxsize=16)
@@ -196,6 +210,7 @@ def _counter(model: nn.Module) -> Callable[..., chex.Array]:
                                    functools.partial(alg.logits, model)))
 
 
-def correct_predictions(model: nn.Module, params: types.Tree, data: federation_lib.ClientData) -> int:
+def correct_predictions(model: nn.Module, params: types.Tree,
+                        data: federation_lib.ClientData) -> int:
   """Correctly classified test samples of one client with `params`."""
   return int(_counter(model)(params, data.test_x, data.test_y, data.test_mask))

@@ -31,10 +31,11 @@ from pflax._src.data import groups as label_groups_lib
 from pflax._src.data import partition as partition_lib
 from pflax._src.data import pathological as pathological_lib
 from pflax._src.methods import algorithm as alg
-from pflax._src.methods import groups as groups_lib
+from pflax._src.methods import heterogeneous as heterogeneous_lib
 from pflax._src.methods import registry
 from pflax._src.simulation import checkpoint as checkpoint_lib
 from pflax._src.simulation import engine
+from pflax._src.simulation import groups as groups_lib
 from pflax._src.simulation import records
 from pflax._src.simulation import sharding
 from pflax._src.training import models
@@ -357,7 +358,8 @@ class _Build:
   swept: str | None
   parts: parts_lib.Parts | None = None
 
-  def algorithm(self, model: nn.Module, value: Any) -> alg.Algorithm:
+  def member(self, model: nn.Module, value: Any) -> alg.Algorithm:
+    """The algorithm of the clients of `model`."""
     opt, kw = dict(self.optimizer), dict(self.hyperparameters)
     if value is not None and self.swept is not None:
       (opt if self.swept == "lr" else kw)[self.swept] = value
@@ -365,13 +367,17 @@ class _Build:
       kw.setdefault("parts", self.parts)   # heterogeneous members find their own
     return self.builder(model, client_optimizer(**opt), **kw)
 
-  def __call__(self, value: Any) -> groups_lib.Groups:
-    build = functools.partial(self.algorithm, value=value)
+  def algorithm(self, value: Any) -> alg.Algorithm:
+    """The algorithm of all clients: over pflax's family of architectures
+    (`pflax.algorithms.heterogeneous`) for `heterogeneous`."""
+    build = functools.partial(self.member, value=value)
     if self.heterogeneous:
-      wrapped = groups_lib.heterogeneous(build, models.FAMILIES[self.family](
+      return heterogeneous_lib.heterogeneous(build, models.FAMILIES[self.family](
           self.num_classes))
-      return groups_lib.as_groups(wrapped, self.model, self.num_clients)
-    return groups_lib.as_groups(build(self.model), self.model, self.num_clients)
+    return build(self.model)
+
+  def __call__(self, value: Any) -> groups_lib.Groups:
+    return groups_lib.as_groups(self.algorithm(value), self.model, self.num_clients)
 
 
 def _takes_parts(builder: Builder) -> bool:
@@ -396,12 +402,16 @@ def _builder_arguments(algorithm: str | Builder, config: ExperimentConfig
 def build_algorithm(algorithm: str | Builder, config: ExperimentConfig,
                     input_shape: tuple[int, ...], num_classes: int
                     ) -> tuple[alg.Algorithm, nn.Module]:
-  """`(algorithm, model)` of an experiment, as a run builds them (one architecture),
-  for inputs of `input_shape` in `num_classes` classes."""
+  """`(algorithm, model)` of an experiment, as a run builds them, for inputs of
+  `input_shape` in `num_classes` classes: with `config.heterogeneous`, the
+  algorithm over pflax's family of architectures (`Algorithm.architectures`)."""
   builder, optimizer, keywords = _builder_arguments(algorithm, config)
   model = models.get_model(_model_name(config.model, input_shape), num_classes,
                            input_shape)
-  return builder(model, client_optimizer(**optimizer), **keywords), model
+  build = _Build(builder, model, num_classes, config.clients, config.heterogeneous,
+                 config.family, tuple(sorted(optimizer.items())),
+                 tuple(sorted(keywords.items())), None)
+  return build.algorithm(None), model
 
 
 def _plan(algorithm: str | Builder, config: ExperimentConfig, setup: Setup,
@@ -416,7 +426,7 @@ def _plan(algorithm: str | Builder, config: ExperimentConfig, setup: Setup,
   if config.heterogeneous and not pflax_model:
     raise ValueError("heterogeneous=True trains pflax's family of architectures; "
                      f"it does not take a model of your own ({type(setup.model).__name__}).")
-  algorithm_ = build.algorithm(setup.model, None)  # the builder's checks, on the host
+  algorithm_ = build.member(setup.model, None)  # the builder's checks, on the host
   known = pflax_model and setup.parts is parts_lib.pflax_parts(setup.model)
   if not (known and builder in registry.BUILDERS.values()):
     _check_fits(_algorithm_name(algorithm), algorithm_, setup)
@@ -659,6 +669,15 @@ def check_algorithm(algorithm: str | Builder, config: ExperimentConfig) -> None:
   builder(models.MLP(2), client_optimizer(**optimizer), **keywords)
 
 
+def check_heterogeneous(algorithm: str | Builder, config: ExperimentConfig) -> None:
+  """Raises ValueError if `config.heterogeneous` and `algorithm` is one of pflax's
+  that does not share a head (`HEAD_SHARING`)."""
+  if (config.heterogeneous and isinstance(algorithm, str)
+      and algorithm in registry.BUILDERS and algorithm not in HEAD_SHARING):
+    raise ValueError(f"heterogeneous models need an algorithm that shares a head "
+                     f"({', '.join(HEAD_SHARING)}), got {algorithm!r}.")
+
+
 def _check_grid(seeds: Sequence[int], swept: str | None, values: Sequence[float],
                 builder: Builder) -> None:
   if not seeds or any(not isinstance(s, (int, np.integer)) or not 0 <= s < 2**31
@@ -688,10 +707,7 @@ class _Grid:
     check_algorithm_keys(config, [algorithm])
     builder = resolve_builder(algorithm) if isinstance(algorithm, str) else algorithm
     _check_grid(seeds, swept, values, builder)
-    if (config.heterogeneous and isinstance(algorithm, str)
-        and algorithm in registry.BUILDERS and algorithm not in HEAD_SHARING):
-      raise ValueError(f"heterogeneous models need an algorithm that shares a head "
-                       f"({', '.join(HEAD_SHARING)}), got {algorithm!r}.")
+    check_heterogeneous(algorithm, config)
     if mesh is not None and config.heterogeneous:
       raise ValueError("a mesh splits one architecture's clients: heterogeneous=False.")
     setups = dict(setups or {})
@@ -710,7 +726,7 @@ class _Grid:
     setup = setups[seeds[0]]
     self.plan = _plan(algorithm, config, setup, m, strategy, swept)
     for v in values:
-      self.plan.build.algorithm(setup.model, v)  # each value's range, on the host
+      self.plan.build.member(setup.model, v)  # each value's range, on the host
     self.programs = engine.programs(self.plan)
     groups = self.plan.build(None)
     feds = tuple(federation_lib.select_clients(fed, index) if len(groups.clients) > 1

@@ -36,13 +36,13 @@ from pflax._src.data import clients as clients_lib
 from pflax._src.data import federation as federation_lib
 from pflax._src.data import partition as partition_lib
 from pflax._src.data import split as split_lib
-from pflax._src.methods import groups as groups_lib
+from pflax._src.methods import algorithm as alg
 from pflax._src.simulation import engine
+from pflax._src.simulation import groups as groups_lib
 from pflax._src.simulation import records
 from pflax._src.simulation import simulate
 from pflax._src.training import losses as losses_lib
 from pflax._src.training import mapping
-from pflax._src.training import models as models_lib
 from pflax._src.training import train as train_lib
 
 DIFFERENTIABLE: Mapping[str, tuple[str, ...]] = {
@@ -308,23 +308,15 @@ def make_task(algorithm: str | simulate.Builder, config: simulate.ExperimentConf
   builder = (simulate.resolve_builder(algorithm) if isinstance(algorithm, str)
              else algorithm)
   name = simulate._algorithm_name(algorithm)
-  if plan.build(None).warmup is not None:
+  if plan.build(None).algorithm.warmup is not None:
     raise ValueError(f"{name} has a warm-up phase, which the differentiable run does "
                      "not run: set its warmup_epochs=0 in config.hyperparameters.")
   defaults = {key: _default_value(algorithm, config, key) for key in keys}
   return Task(algorithm=algorithm, name=name, builder=builder, keys=keys,
               defaults=defaults, config=config, model=setup.model,
-              federation=jax.device_put(_cast(train, dtype)),
-              validation=jax.device_put(_cast(validation, dtype)), plan=plan,
-              chunk_size=chunk_size, dtype=dtype)
-
-
-def _cast(tree: Any, dtype: Any) -> Any:
-  """The floating leaves of `tree` in `dtype` (None: unchanged)."""
-  if dtype is None:
-    return tree
-  floating = lambda x: jnp.issubdtype(jnp.result_type(x), jnp.floating)
-  return jax.tree.map(lambda x: x.astype(dtype) if floating(x) else x, tree)
+              federation=jax.device_put(engine.cast_floating(train, dtype)),
+              validation=jax.device_put(engine.cast_floating(validation, dtype)),
+              plan=plan, chunk_size=chunk_size, dtype=dtype)
 
 
 class Outcome(NamedTuple):
@@ -353,17 +345,9 @@ class Outcome(NamedTuple):
 
 def _start(task: Task, groups: groups_lib.Groups, federation: Any,
            seed: chex.Array) -> engine.Carry:
-  """`engine._initial_carry`, the initial models cast to `task.dtype`."""
+  """The engine's `initial_carry`, the initial models in `task.dtype`."""
   counts = engine.declared_counts(task.plan, federation.counts, seed)
-  key = engine.run_keys(seed)[0]
-  params = _cast(models_lib.init_stacked(groups.models[0], key, federation.x[0, :1],
-                                         federation.x.shape[0], same_init=True),
-                 task.dtype)
-  state = groups.init((params,), counts, key)
-  opt_states = tuple(train_lib.init_opt_state(member.optimizer, start)
-                     for member, start in zip(groups.members,
-                                              groups.client_models(state)))
-  return engine.Carry(state, opt_states)
+  return engine.initial_carry(groups, federation.x[0, :1], counts, seed, task.dtype)
 
 
 def initial_carry(task: Task, values: Mapping[str, chex.Numeric] | None = None, *,
@@ -389,13 +373,12 @@ def _settled(one_round: Callable[..., tuple[engine.Carry, chex.Array]],
   return carry
 
 
-def _trainer(task: Task, member: Any) -> Callable[..., train_lib.ClientResult]:
-  """The round's client training, each local step checkpointed (and each client,
-  for "map", so only one chunk's steps are held at a time)."""
-  one = functools.partial(train_lib.train_client, member.loss, member.optimizer,
-                          epochs=task.plan.local_epochs,
-                          batch_size=task.plan.batch_size, unroll=member.unroll,
-                          remat=True)
+def _trainer(task: Task, member: alg.Algorithm) -> Callable[..., train_lib.ClientResult]:
+  """A group's client training (`engine.client_trainer`), each local step
+  checkpointed (and each client, for "map", so only one chunk's steps are held
+  at a time)."""
+  one = engine.client_trainer(member, task.plan.local_epochs, task.plan.batch_size,
+                              remat=True)
   if task.plan.strategy == "map":
     one = jax.checkpoint(one)
   return mapping.map_clients(one, task.plan.strategy, task.chunk_size)
@@ -404,8 +387,25 @@ def _trainer(task: Task, member: Any) -> Callable[..., train_lib.ClientResult]:
 def _client_validation(model: nn.Module, params: Any, x: chex.Array, y: chex.Array,
                        mask: chex.Array) -> chex.Array:
   """One client's mean cross-entropy on its validation samples."""
-  logits = model.apply({"params": params}, x)
-  return losses_lib.cross_entropy(logits, y, mask)
+  return losses_lib.cross_entropy(alg.logits(model, params, x), y, mask)
+
+
+def _client_correct(model: nn.Module, params: Any, x: chex.Array, y: chex.Array,
+                    mask: chex.Array) -> chex.Array:
+  """One client's correctly classified test samples (no gradient)."""
+  return train_lib.evaluate_client(functools.partial(alg.logits, model),
+                                   jax.lax.stop_gradient(params), x, y, mask)
+
+
+def _per_client(groups: groups_lib.Groups,
+                per_client: Callable[..., chex.Array],
+                held: tuple[Any, ...], *data: Any) -> chex.Array:
+  """`(M,)`: `per_client(model, params, *rows)` of every client, mapped over
+  each group (its model, its `held` models and its rows of each of `data`)."""
+  return engine.in_client_order(groups, tuple(
+      jax.vmap(functools.partial(per_client, model))(params, *rows)
+      for model, params, *rows in zip(groups.models, held,
+                                      *(groups.split(d) for d in data))))
 
 
 @functools.partial(jax.jit, static_argnames=("task", "rounds"))
@@ -413,8 +413,8 @@ def _run(task: Task, values: Mapping[str, chex.Array], federation: Any,
          validation: Validation, seed: chex.Array, start: engine.Carry | None,
          first_round: chex.Array, *, rounds: int) -> Outcome:
   groups = task.groups(values)
-  member = groups.members[0]
-  train = _trainer(task, member)
+  trainers = tuple(_trainer(task, member) for member in groups.members)
+  feds = groups.split(federation)
   plan = task.plan
   # pylint: disable=protected-access
   if start is None:
@@ -422,8 +422,8 @@ def _run(task: Task, values: Mapping[str, chex.Array], federation: Any,
 
   @jax.checkpoint
   def one_round(carry, t):
-    inputs = engine._round_inputs(plan, groups, carry, (federation,), seed, t)
-    results = tuple(train(*clients) for clients in inputs.clients)
+    inputs = engine._round_inputs(plan, groups, carry, feds, seed, t)
+    results = tuple(train(*clients) for train, clients in zip(trainers, inputs.clients))
     carry, metrics = engine._round_outputs(
         groups, carry, inputs, results, outlier_factor=plan.outlier_factor,
         fault_kind=plan.fault_kind, fault_scale=plan.scale)
@@ -431,13 +431,11 @@ def _run(task: Task, values: Mapping[str, chex.Array], federation: Any,
 
   ts = first_round + jnp.arange(rounds, dtype=jnp.int32)
   carry, train_losses = jax.lax.scan(one_round, _settled(one_round, start, ts[0]), ts)
-  held = groups.evaluate(carry.state)[0]["personalized"]
-  losses = jax.vmap(functools.partial(_client_validation, task.model))(
-      held, validation.x, validation.y, validation.mask)
-  frozen = jax.lax.stop_gradient(held)
-  correct = jax.vmap(functools.partial(
-      train_lib.evaluate_client, lambda p, x: task.model.apply({"params": p}, x)))(
-          frozen, federation.test_x, federation.test_y, federation.test_mask)
+  held = tuple(h["personalized"] for h in groups.algorithm.evaluate(carry.state))
+  losses = _per_client(groups, _client_validation, held, validation.x, validation.y,
+                       validation.mask)
+  correct = _per_client(groups, _client_correct, held, federation.test_x,
+                        federation.test_y, federation.test_mask)
   return Outcome(losses, jnp.sum(validation.mask, axis=1), correct, train_losses,
                  carry)
 
