@@ -86,6 +86,7 @@ def test_every_baseline_in_a_federation_equals_the_simulation(name):
   _same_run(federated.results().runs[0], simulate.run(name, config, 1))
 
 
+@pytest.mark.slow
 def test_heterogeneous_fedclassavg_in_a_federation_equals_the_simulation():
   """One architecture per node (client i trains `mlp_family()[i % 4]` with its
   group's loss and optimizer): the server warms up and aggregates the shared
