@@ -4,7 +4,7 @@ from pflax._src.aggregators.cwfedavg import class_models
 from pflax._src.aggregators.cwfedavg import cw_fedavg
 from pflax._src.aggregators.cwfedavg import personalize
 from pflax._src.aggregators.fedavg import fedavg
-from pflax._src.aggregators.fedavg import fedclassavg
+from pflax._src.aggregators.fedclassavg import fedclassavg
 from pflax._src.aggregators.feddwa import feddwa
 from pflax._src.aggregators.fedrema import FedReMaState
 from pflax._src.aggregators.fedrema import fedrema

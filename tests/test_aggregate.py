@@ -72,6 +72,24 @@ def test_fedclassavg_model_heterogeneous_groups_via_concat():
     np.testing.assert_allclose(averaged["kernel"][i], expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("transform,m", CLIENTS)
+def test_fedclassavg_is_fedavg_of_the_classifier_in_every_client(transform, m):
+  """Eq. (3) is `fedavg` of the selected leaves, broadcast back (bit for bit);
+  masked clients keep their parameters."""
+  rng = np.random.default_rng(20 + m)
+  params = ref.random_params(rng, m)
+  n = rng.integers(1, 50, size=m)
+  mask = np.arange(m) != 1 if m > 1 else None
+  where = ptree.under("classifier", "output")
+  out = transform(functools.partial(agg.fedclassavg, where=where))(params, n, mask=mask)
+  head = agg.fedavg(ptree.selected(params, where), n, mask=mask)
+  expected = ptree.with_selected(params, where, ptree.broadcast(head, m))
+  if mask is not None:
+    expected = jax.tree.map(lambda a, b: np.where(
+        mask.reshape((-1,) + (1,) * (a.ndim - 1)), a, b), expected, params)
+  jax.tree.map(np.testing.assert_array_equal, out, expected)
+
+
 # -------------------------------------------------------------------- cwFedAvg
 
 
@@ -141,6 +159,31 @@ def test_class_models_and_personalize(transform, m, k):
   # class_models followed by personalize is cw_fedavg.
   assert_tree_close(transform(agg.personalize)(models, counts),
                     transform(agg.cw_fedavg)(params, counts), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("transform,m,k", SIZES)
+def test_cw_fedavg_is_class_models_then_personalize_and_fedavg_elsewhere(transform, m, k):
+  """Eq. (5)-(7) are `class_models` then `personalize` on the selected leaves,
+  and `fedavg` (weights `p_i`) in every client on the others; masked clients
+  keep their parameters. Up to float32 rounding: `cw_fedavg` mixes once,
+  possibly in the other order."""
+  rng = np.random.default_rng(500 * m + k)
+  params = ref.random_params(rng, m)
+  counts = _counts(rng, m, k)
+  mask = np.arange(m) != 0 if m > 1 else None
+  where = ptree.under("classifier")
+  fn = functools.partial(agg.cw_fedavg, where=where, mask=mask)
+  out = transform(fn)(params, counts)
+  personal = agg.personalize(agg.class_models(params, counts, mask=mask), counts)
+  rest = agg.fedavg(params, counts.sum(axis=1), mask=mask)
+  expected = ref.unflatten_like(params, [
+      p if flag else np.broadcast_to(r, p.shape) for p, r, flag in zip(
+          jax.tree.leaves(personal), jax.tree.leaves(rest),
+          ref.classifier_flags(params))])
+  if mask is not None:
+    expected = jax.tree.map(lambda a, b: np.where(
+        mask.reshape((-1,) + (1,) * (a.ndim - 1)), a, b), expected, params)
+  assert_tree_close(out, expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("transform", TRANSFORMS)

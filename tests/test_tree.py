@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from pflax import tree as ptree
+from pflax._src.core import tree as tree_lib
 
 import references as ref
 
@@ -188,6 +189,17 @@ def test_partition_combine_with_bool_pytree():
   _assert_tree_close(ptree.combine(selected, rest), params, 0, 0)
   with pytest.raises(ValueError, match="where"):
     ptree.partition(params, {"features": True})
+
+
+def test_partition_flags_is_partition_by_the_resolved_selection():
+  """The form the aggregators' jitted programs use (a static tuple of flags)."""
+  params = _params(2)
+  where = ptree.under("classifier", "output")
+  flags = tuple(tree_lib.selection(params, where))
+  for got, want in zip(jax.jit(tree_lib.partition_flags, static_argnums=1)(params, flags),
+                       ptree.partition(params, where)):
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    _assert_tree_close(got, want, 0, 0)
 
 
 def _selected_paths(tree, where):

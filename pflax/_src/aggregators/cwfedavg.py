@@ -1,9 +1,12 @@
 """Class-wise FedAvg (cwFedAvg): one FedAvg per class, mixed back per client.
 
 With `P = [p_ij]` (clients' class distributions) and `Q = [q_ij]` (each client's
-share of each class), the class models are `G = Q^T W` and the personalized
-models `W' = P G = (P Q^T) W`: a rank-`min(M, K)` mixing of the stacked
-parameters, computed in whichever order is cheaper.
+share of each class), both from `class_weights`, the class models are
+`G = Q^T W` (`class_average`, Eq. 6) and the personalized models `W' = P G`
+(`class_mixture`, Eq. 7). `cw_fedavg` is the two in a row on the class-wise
+leaves (`class_wise`, one rank-`min(M, K)` mix computed in whichever order is
+cheaper) and `fedavg.average` with weights `p_i` on the others; `class_models`
+and `personalize` are the two steps apart, for a server that keeps `G`.
 
 Each public function checks its inputs on the host, then runs one module-level
 jitted program, so eager calls are as fast as jitted ones after the first.
@@ -17,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pflax._src.aggregators import fedavg as fedavg_lib
 from pflax._src.core import checks
 from pflax._src.core import numerics
 from pflax._src.core import tree as tree_lib
@@ -89,6 +93,37 @@ def _check(params: types.Stacked, class_dist: chex.Array,
   return num_samples, mask
 
 
+def class_average(params: types.Stacked, w: ClassWeights,
+                  mask: chex.Array | None = None) -> types.Stacked:
+  """Class models `G = Q^T W`, `G_j = sum_i q_ij w_i` (Eq. 6), stacked `(K, ...)`.
+
+  Masked-out clients (weight 0) are zeroed first. No checks (as `fedavg.average`).
+  """
+  share_t = w.share.T
+  return jax.tree.map(lambda x: tree_lib.mix_leaf(share_t, x),
+                      weights_lib.zero_masked(params, mask))
+
+
+def class_mixture(class_models: types.Stacked, dist: chex.Array) -> types.Stacked:
+  """Personalized models `W' = P G`, `w_i = sum_j p_ij G_j` (Eq. 7), for row
+  distributions `dist` (`weights.row_distribution`). No checks."""
+  return jax.tree.map(lambda g: tree_lib.mix_leaf(dist, g), class_models)
+
+
+def class_wise(params: types.Stacked, w: ClassWeights,
+               mask: chex.Array | None = None) -> types.Stacked:
+  """Eq. (6) then (7): `class_mixture(class_average(params, w, mask), w.dist)`.
+
+  Computed as one mix per leaf in whichever order costs fewer multiply-adds
+  (`tree.mix_factored_leaf`): for K > M/2 (and leaves of more than M entries),
+  `(P Q^T) W`, which reads and writes the parameters once and never stores the
+  `(K, ...)` class models; otherwise `P (Q^T W)` without rounding the class
+  models to the parameters' dtype.
+  """
+  return jax.tree.map(lambda x: tree_lib.mix_factored_leaf(w.dist, w.share.T, x),
+                      weights_lib.zero_masked(params, mask))
+
+
 @functools.partial(jax.jit, static_argnames="flags")
 def _cw_fedavg(params: types.Stacked, class_dist: chex.Array,
                num_samples: chex.Array | None, mask: chex.Array | None,
@@ -97,10 +132,10 @@ def _cw_fedavg(params: types.Stacked, class_dist: chex.Array,
   w = class_weights(class_dist, num_samples, mask, numerics.weight_dtype(params))
 
   def personalized(p: types.Stacked) -> types.Stacked:
-    mixed = tree_lib.map_selected(
-        lambda x: tree_lib.mix_factored_leaf(w.dist, w.share.T, x),
-        lambda x: tree_lib.broadcast_leaf(tree_lib.mix_leaf(w.client[None], x)[0], m),
-        weights_lib.zero_masked(p, mask), flags)
+    layers, rest = tree_lib.partition_flags(p, flags)
+    mixed = tree_lib.combine(
+        class_wise(layers, w, mask),                                        # Eq. 5-7
+        tree_lib.broadcast(fedavg_lib.average(rest, w.client, mask), m))    # Eq. 1
     return weights_lib.keep_masked(mixed, p, mask)
 
   return weights_lib.keep_if_weightless(w.client, personalized, params)
@@ -114,7 +149,9 @@ def cw_fedavg(params: types.Stacked, class_dist: chex.Array,
 
   Class-specific global models `G_j = sum_i q_ij w_i` with
   `q_ij = p_i p_ij / sum_l p_l p_lj` (Eq. 5-6) are combined per client with its
-  class distribution (Eq. 7), i.e. `W' = (P Q^T) W`.
+  class distribution (Eq. 7), i.e. `W' = (P Q^T) W`: on the leaves `where`
+  selects, `personalize(class_models(params, ...), class_dist)`; on the others,
+  `fedavg` broadcast to every client.
 
   Args:
     params: stacked client parameters, leaves `(M, ...)` with M >= 1 and real
@@ -156,6 +193,13 @@ def cw_fedavg(params: types.Stacked, class_dist: chex.Array,
     scaling the counts by a power of two near their maximum, so counts near
     float32's maximum are fine. Traced inputs (inside `jit`) with zero total weight return
     `params` unchanged.
+    Class models then personalization are computed as one mix per leaf, in
+    whichever order costs fewer multiply-adds: `(P Q^T) W` for K > M/2 (at
+    K = M half the arithmetic and memory traffic of `P (Q^T W)`), else
+    `P (Q^T W)`; the class models are neither stored nor rounded to the
+    parameters' dtype, so float32 results can differ from
+    `personalize(class_models(...))` in the last bits, and bfloat16 ones are
+    rounded once.
 
   References:
     Lee & Choi, "Class-Wise Federated Averaging for Efficient Personalization",
@@ -172,9 +216,7 @@ def _class_models(params: types.Stacked, class_dist: chex.Array,
                   num_samples: chex.Array | None,
                   mask: chex.Array | None) -> types.Stacked:
   w = class_weights(class_dist, num_samples, mask, numerics.weight_dtype(params))
-  share_t = w.share.T
-  return jax.tree.map(lambda x: tree_lib.mix_leaf(share_t, x),
-                      weights_lib.zero_masked(params, mask))
+  return class_average(params, w, mask)
 
 
 def class_models(params: types.Stacked, class_dist: chex.Array,
@@ -194,7 +236,7 @@ def class_models(params: types.Stacked, class_dist: chex.Array,
 @jax.jit
 def _personalize(class_models: types.Stacked, class_dist: chex.Array) -> types.Stacked:
   dist = weights_lib.row_distribution(class_dist, numerics.weight_dtype(class_models))
-  return jax.tree.map(lambda x: tree_lib.mix_leaf(dist, x), class_models)
+  return class_mixture(class_models, dist)
 
 
 def personalize(class_models: types.Stacked, class_dist: chex.Array) -> types.Stacked:

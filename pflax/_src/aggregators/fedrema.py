@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pflax._src.aggregators import fedavg as fedavg_lib
 from pflax._src.core import checks
 from pflax._src.core import numerics
 from pflax._src.core import tree as tree_lib
@@ -203,8 +204,7 @@ def _fedrema(params: types.Stacked, num_samples: chex.Array | None,
              delta: chex.Numeric, *, flags: tuple[bool, ...]
              ) -> tuple[types.Stacked, FedReMaState]:
   """`fedrema` after its boundary checks, compiled once per structure."""
-  leaves, treedef = jax.tree.flatten(params)
-  m = leaves[0].shape[0]
+  m = jax.tree.leaves(params)[0].shape[0]
   dtype = numerics.weight_dtype(params)
   valid = jnp.ones((m,), bool) if mask is None else mask
   fedavg_row = weights_lib.client_weights(num_samples, m, mask, dtype)
@@ -216,15 +216,15 @@ def _fedrema(params: types.Stacked, num_samples: chex.Array | None,
   weighted = jnp.sum(fedavg_row) > 0
   new_state = jax.tree.map(lambda a, b: jnp.where(state.in_ccp & weighted, a, b),
                            ccp_state, state)
-  safe = jax.tree.leaves(weights_lib.zero_masked(params, mask))
-  out = []
-  for leaf, x, classifier in zip(leaves, safe, flags):
-    if classifier:      # masked clients keep their own classifier
-      new = weights_lib.keep_masked(tree_lib.mix_leaf(mixing, x), leaf, mask)
-    else:               # and receive theta like everyone (Alg. 2, line 19)
-      new = tree_lib.broadcast_leaf(tree_lib.mix_leaf(fedavg_row[None], x)[0], m)
-    out.append(jnp.where(weighted, new, leaf))
-  return jax.tree.unflatten(treedef, out), new_state
+  classifiers, features = tree_lib.partition_flags(params, flags)
+  matched = jax.tree.map(lambda x: tree_lib.mix_leaf(mixing, x),   # Eq. 7 or 10
+                         weights_lib.zero_masked(classifiers, mask))
+  # Masked clients keep their own classifier and receive theta like everyone
+  # (Alg. 2, line 19).
+  new = tree_lib.combine(
+      weights_lib.keep_masked(matched, classifiers, mask),
+      tree_lib.broadcast(fedavg_lib.average(features, fedavg_row, mask), m))  # Eq. 6
+  return jax.tree.map(lambda a, b: jnp.where(weighted, a, b), new, params), new_state
 
 
 def _check_soft(soft: chex.Array, m: int, mask: chex.Array | None) -> None:

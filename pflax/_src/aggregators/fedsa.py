@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pflax._src.aggregators import fedavg as fedavg_lib
 from pflax._src.core import checks
 from pflax._src.core import numerics
 from pflax._src.core import types
@@ -296,13 +297,14 @@ def _leaf_statistics(leaf: chex.Array, mask: chex.Array, cv_threshold: chex.Nume
 
 
 def _leaf_result(leaf: chex.Array, stats: _LeafStatistics, member: chex.Array,
-                 client: chex.Array, num_mic: int, num_mac: int) -> chex.Array:
-  """Steps 6-7 given the leaf's clusters; returns the leaf without client axis.
+                 average: chex.Array, num_mic: int, num_mac: int) -> chex.Array:
+  """Steps 6-7 given the leaf's clusters and its FedAvg `average` (step 2);
+  returns the leaf without client axis.
 
   The cluster means are taken on the leaf scaled per position (no overflow of
   their sums), then scaled back exactly.
   """
-  average = jnp.matmul(client.astype(stats.w.dtype), stats.w, precision=_HIGHEST)
+  average = average.reshape(-1).astype(stats.w.dtype)
   clustered = jnp.any(member >= 0)
   theta = _cluster_vote(stats.scaled.w, stats.categories, member, num_mic, num_mac)
   theta = theta * stats.scaled.unscale
@@ -316,7 +318,8 @@ def _fedsa(params: types.Stacked, num_samples: chex.Array | None,
            sim_threshold: chex.Numeric, *, num_mic: int, num_mac: int,
            ddof: int) -> types.Tree:
   """`fedsa` after its boundary checks, compiled once per structure."""
-  leaves, treedef = jax.tree.flatten(weights_lib.zero_masked(params, mask))
+  safe = weights_lib.zero_masked(params, mask)
+  leaves, treedef = jax.tree.flatten(safe)
   m = leaves[0].shape[0]
   mask = jnp.ones((m,), bool) if mask is None else mask
   client = weights_lib.client_weights(num_samples, m, mask,
@@ -327,11 +330,12 @@ def _fedsa(params: types.Stacked, num_samples: chex.Array | None,
   members = jax.vmap(macro_classes, in_axes=(0, None, None, None, 0))(
       jnp.stack([s.similarity for s in stats]), mask, num_mac, sim_threshold,
       jnp.stack([jnp.sum(s.high, dtype=jnp.int32) for s in stats]))
+  averages = jax.tree.leaves(fedavg_lib.average(safe, client))   # step 2 (Eq. 7)
   weighted = jnp.sum(client) > 0         # traced zero total weight: zeros
   return jax.tree.unflatten(treedef, [
-      jnp.where(weighted, _leaf_result(x, s, members[i], client, num_mic, num_mac),
+      jnp.where(weighted, _leaf_result(x, s, members[i], a, num_mic, num_mac),
                 jnp.zeros((), x.dtype))
-      for i, (x, s) in enumerate(zip(leaves, stats))])
+      for i, (x, s, a) in enumerate(zip(leaves, stats, averages))])
 
 
 def _check_count_range(params: types.Stacked, m: int) -> None:

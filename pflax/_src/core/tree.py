@@ -403,6 +403,15 @@ def combine(selected: Any, rest: Any) -> Any:
                       is_leaf=lambda x: x is None)
 
 
+def partition_flags(tree: Any, flags: Sequence[bool]) -> tuple[Any, Any]:
+  """`partition` by one bool per leaf, as `selection` resolves a selector.
+
+  For jitted code that takes the selection as a static tuple of flags (a
+  selector need not be hashable).
+  """
+  return partition(tree, jax.tree.unflatten(jax.tree.structure(tree), list(flags)))
+
+
 def map_selected(on_selected: Callable[[chex.Array], chex.Array],
                  on_rest: Callable[[chex.Array], chex.Array],
                  tree: Any, flags: Sequence[bool]) -> Any:
