@@ -2,49 +2,40 @@
 
 `METHODS` is the one list of pflax's methods: `pflax-run`, the simulation and
 `pflax.algorithms` read it. Adding a method is its file (state, builder,
-`METHOD`) and its line here; the order is `pflax-run`'s and the plots' colours.
+`METHOD`) and its name's line in `NAMES`; the order is `pflax-run`'s and the
+plots' colours.
 """
 
+import importlib
 from collections.abc import Callable
 from typing import Any
 
 from pflax._src.methods import Method
 from pflax._src.methods import algorithm as alg
-from pflax._src.methods import apfl
-from pflax._src.methods import cwfedavg
-from pflax._src.methods import ditto
-from pflax._src.methods import fedala
-from pflax._src.methods import fedavg
-from pflax._src.methods import fedavg_ft
-from pflax._src.methods import fedbabu
-from pflax._src.methods import fedclassavg
-from pflax._src.methods import feddwa
-from pflax._src.methods import fedper
-from pflax._src.methods import fedprox
-from pflax._src.methods import fedrema
-from pflax._src.methods import fedrep
-from pflax._src.methods import fedsa
-from pflax._src.methods import local
-from pflax._src.methods import moon
 
-METHODS: dict[str, Method] = {method.name: method for method in (
-    local.METHOD,
-    fedavg.METHOD,
-    fedprox.METHOD,
-    cwfedavg.METHOD,
-    fedclassavg.METHOD,
-    fedsa.METHOD,
-    feddwa.METHOD,
-    fedrema.METHOD,
-    fedper.METHOD,
-    ditto.METHOD,
-    fedavg_ft.METHOD,
-    fedbabu.METHOD,
-    fedrep.METHOD,
-    apfl.METHOD,
-    moon.METHOD,
-    fedala.METHOD,
-)}
+NAMES = (
+    "local",
+    "fedavg",
+    "fedprox",
+    "cwfedavg",
+    "fedclassavg",
+    "fedsa",
+    "feddwa",
+    "fedrema",
+    "fedper",
+    "ditto",
+    "fedavg_ft",
+    "fedbabu",
+    "fedrep",
+    "apfl",
+    "moon",
+    "fedala",
+)
+"""The methods' command-line names: each is the file `pflax/_src/methods/<name>.py`,
+which ends with its `METHOD`."""
+
+METHODS: dict[str, Method] = {
+    name: importlib.import_module(f"pflax._src.methods.{name}").METHOD for name in NAMES}
 """pflax's methods by command-line name, in `pflax-run`'s order."""
 
 BUILDERS: dict[str, Callable[..., alg.Algorithm]] = {
