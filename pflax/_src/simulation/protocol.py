@@ -32,6 +32,7 @@ from pflax._src.simulation import engine
 from pflax._src.simulation import groups as groups_lib
 from pflax._src.training import train as train_lib
 
+
 class Tasks(NamedTuple):
   """What the server sends the participants of a round.
 

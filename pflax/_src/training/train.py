@@ -22,6 +22,7 @@ import optax
 from pflax._src.core import types
 from pflax._src.training import mapping
 
+
 class Batch(NamedTuple):
   """One client's mini-batch: inputs, labels and a validity mask `(B,)`."""
   x: chex.Array
