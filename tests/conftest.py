@@ -11,6 +11,8 @@ import os
 os.environ["FLWR_TELEMETRY_ENABLED"] = "0"
 os.environ["FLWR_DISABLE_UPDATE_CHECK"] = "1"
 
+import jax
+import pytest
 from hypothesis import HealthCheck
 from hypothesis import Phase
 from hypothesis import settings
@@ -25,3 +27,16 @@ settings.register_profile(
     print_blob=True,
     phases=_PHASES, suppress_health_check=_SLOW_OK)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "pflax"))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_compilation_caches():
+  """Each test module ends by dropping the programs it compiled.
+
+  XLA-CPU maps the code of every compiled program into memory (three mappings
+  each). The whole suite compiles tens of thousands of programs in one process,
+  which would pass the kernel's limit on a process's mappings (vm.max_map_count,
+  65,530 by default) and end the run in a segmentation fault.
+  """
+  yield
+  jax.clear_caches()
