@@ -6,6 +6,7 @@ import stat
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 
@@ -117,3 +118,60 @@ def test_node_env_names_existing_supernodes_of_a_deployment(kwargs, match):
   from pflax._src.flower import deploy as flower_deploy  # pylint: disable=import-outside-toplevel
   with pytest.raises(ValueError, match=match):
     flower_deploy.LocalFederation(4, **kwargs)
+
+
+def test_the_watchdog_removes_the_key_folder_when_its_parent_is_killed(tmp_path):
+  """A parent that dies by SIGKILL closes the watchdog's stdin: the watchdog then
+  removes the federation's private folder (its CA and node keys)."""
+  secret = flower_keys.write_node_key(str(tmp_path / "home" / "keys"), "node-0")
+  parent = subprocess.Popen([sys.executable, "-c", (
+      "import subprocess, sys, time\n"
+      f"subprocess.Popen([sys.executable, '-I', {flower_guard.__file__!r}, 'watch', "
+      f"'no-such-token', {str(tmp_path / 'home')!r}], stdin=subprocess.PIPE, "
+      "start_new_session=True)\n"
+      "print('started', flush=True)\ntime.sleep(120)\n")],
+                            stdout=subprocess.PIPE, text=True)
+  try:
+    assert parent.stdout.readline() == "started\n"
+    assert os.path.exists(secret.private)
+    parent.kill()
+    parent.wait(10)
+    deadline = time.monotonic() + 30.0
+    while os.path.exists(tmp_path / "home") and time.monotonic() < deadline:
+      time.sleep(0.1)
+    assert not os.path.exists(tmp_path / "home")
+  finally:
+    parent.kill()
+    parent.wait()
+
+
+def test_a_federation_finds_a_module_builder_after_the_installed_packages(tmp_path):
+  """`pflax-run --flower --algorithms module:builder` gives its processes the
+  current folder after the installed packages: a `sitecustomize.py` there never
+  runs, the builder module still imports."""
+  from pflax._src.cli import federation  # pylint: disable=import-outside-toplevel
+  (tmp_path / "work").mkdir()
+  planted = tmp_path / "planted"
+  (tmp_path / "work" / "sitecustomize.py").write_text(
+      f"open({str(planted)!r}, 'w').close()\n")
+  (tmp_path / "work" / "mine.py").write_text("def fedx(*a, **k):\n  pass\n")
+  cwd = os.getcwd()
+  os.chdir(tmp_path / "work")
+  try:
+    env = federation.federation_env(types.SimpleNamespace(
+        algorithms=("mine:fedx",), compilation_cache=False))
+  finally:
+    os.chdir(cwd)
+  assert str(tmp_path / "work") not in os.environ.get("PYTHONPATH", "") + env.get(
+      "PYTHONPATH", "")
+  child_env = {**os.environ, **env}
+  done = subprocess.run([sys.executable, "-c", (
+      "import sys\nfrom pflax._src.flower import experiment\n"
+      "experiment._append_builder_path()\nimport mine\n"
+      "print(sys.path[-1], mine.__file__)\n")],
+                        cwd=tmp_path, env=child_env, capture_output=True, text=True,
+                        check=False)
+  assert done.returncode == 0, done.stderr
+  assert done.stdout.split() == [str(tmp_path / "work"),
+                                 str(tmp_path / "work" / "mine.py")]
+  assert not planted.exists()

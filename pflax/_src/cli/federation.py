@@ -9,17 +9,20 @@ from pflax._src.cli import config as config_lib
 from pflax._src.cli import messages
 from pflax._src.cli import report
 from pflax._src.cli import runtime
+from pflax._src.flower import experiment as flower_experiment
 from pflax._src.simulation import records
 
 
 def federation_env(invocation: config_lib.Invocation) -> dict[str, str]:
-  """The environment of the federation's processes: JAX's compilation cache, and the
-  current directory appended to the Python path only for a `module:builder` of
-  `--algorithms` (never first: a `tqdm.py` there must not shadow a package)."""
+  """The environment of the federation's processes: JAX's compilation cache, and
+  the current directory for a `module:builder` of `--algorithms`, in
+  `experiment.BUILDER_PATH` (appended to `sys.path` after the installed packages
+  when the builder is imported), never on `PYTHONPATH`: there it would come
+  before them, and a `sitecustomize.py` or `tqdm.py` in it would run in every
+  process of the federation."""
   env = {}
   if any(map(config_lib.importing, invocation.algorithms)):
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (os.environ.get("PYTHONPATH"), os.getcwd()) if p)
+    env[flower_experiment.BUILDER_PATH] = os.getcwd()
   if invocation.compilation_cache:
     env.update(runtime.compilation_cache_env())
   return env

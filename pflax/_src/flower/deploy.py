@@ -303,10 +303,18 @@ class LocalFederation:
         os.remove(log)
     if self._watchdog is None:  # kills what is left if this process dies
       self._watchdog = subprocess.Popen(
-          [sys.executable, "-I", flower_guard.__file__, "watch", self._token],
+          [sys.executable, "-I", flower_guard.__file__, "watch", self._token,
+           *self._secrets()],
           stdin=subprocess.PIPE, text=True, start_new_session=True)
     return _popen(args, log, {**self.env, **(env or {}),
                               flower_guard.VARIABLE: self._token})
+
+  def _secrets(self) -> list[str]:
+    """What is removed on every exit, SIGKILL included: a temporary workdir
+    whole, else the Flower home's certificates and node keys."""
+    if self._own_workdir:
+      return [self.workdir]
+    return [os.path.join(self.home, "tls"), os.path.join(self.home, "keys")]
 
   @property
   def home(self) -> str:
@@ -404,7 +412,9 @@ class LocalFederation:
 
   def close(self) -> None:
     """Stops every process (SIGTERM, then SIGKILL) and removes a temporary
-    workdir (the logs stay in `log_dir` when it is another directory)."""
+    workdir (the logs stay in `log_dir` when it is another directory), or the
+    certificates and node keys of a given one (`_secrets`); if this process
+    dies without closing (even by SIGKILL), the watchdog does both."""
     _stop([p for p in [*self.supernodes, self.superlink] if p is not None])
     self.supernodes, self.superlink = [], None
     flower_guard.sweep(self._token)  # what Flower started outside the groups
@@ -414,8 +424,8 @@ class LocalFederation:
         self._watchdog.stdin.close()
       self._watchdog.wait()
       self._watchdog = None
-    if self._own_workdir:
-      shutil.rmtree(self.workdir, ignore_errors=True)
+    for path in self._secrets():
+      shutil.rmtree(path, ignore_errors=True)
 
   def run(self, experiment: experiment_lib.Experiment, out: str,
           timeout: float = 600.0, on_round: Callable[[int], None] | None = None

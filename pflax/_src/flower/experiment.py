@@ -2,9 +2,25 @@
 
 import dataclasses
 import json
+import os
+import sys
 
 from pflax._src.simulation import groups as groups_lib
 from pflax._src.simulation import simulate
+
+BUILDER_PATH = "PFLAX_BUILDER_PATH"
+"""An environment variable of a federation's processes: directories
+(`os.pathsep`-separated) appended to the end of `sys.path`, after the installed
+packages, before an `Experiment` imports its `module:builder` (`pflax-run
+--flower` puts the current folder there, never on `PYTHONPATH`, which would come
+before the installed packages: a `sitecustomize.py` in it would run in every
+process of the federation)."""
+
+
+def _append_builder_path() -> None:
+  for directory in os.environ.get(BUILDER_PATH, "").split(os.pathsep):
+    if directory and directory not in sys.path:
+      sys.path.append(directory)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +42,7 @@ class Experiment:
 
   def check(self) -> None:
     """Raises ValueError for what a federation does not run."""
+    _append_builder_path()
     simulate.check_config(self.config)
     simulate.check_algorithm(self.algorithm, self.config)
     simulate.check_heterogeneous(self.algorithm, self.config)
@@ -37,6 +54,7 @@ class Experiment:
     """The algorithm over the federation's clients as `pflax.simulate` builds it
     (with `config.heterogeneous`, one group per architecture), for inputs of
     `input_shape` in `num_classes` classes."""
+    _append_builder_path()
     algorithm, model = simulate.build_algorithm(self.algorithm, self.config,
                                                 input_shape, num_classes)
     return groups_lib.as_groups(algorithm, model, self.config.clients)

@@ -10,14 +10,17 @@ SuperExecs, ServerApps and ClientApps, whatever their process group).
   kills it (SIGKILL) when the process PARENT dies, even by SIGKILL
   (`PR_SET_PDEATHSIG`, Linux; elsewhere it just runs COMMAND). A wrapper rather
   than a `preexec_fn`, which would fork the multithreaded (JAX) parent.
-- `python flower_guard.py watch TOKEN` reads its stdin until a line "done" (a
-  clean exit: nothing to do) or the end of the file, when the process holding
-  the pipe died, however it died: then it kills (SIGKILL) every process of
-  TOKEN (Linux; `/proc/PID/environ`).
+- `python flower_guard.py watch TOKEN [PATH...]` reads its stdin until a line
+  "done" (a clean exit: nothing to do) or the end of the file, when the process
+  holding the pipe died, however it died (SIGKILL included): then it kills
+  (SIGKILL) every process of TOKEN (Linux; `/proc/PID/environ`) and removes
+  each PATH (the federation's private folder with its certificate authority and
+  node keys).
 """
 
 import ctypes
 import os
+import shutil
 import signal
 import sys
 import time
@@ -60,15 +63,17 @@ def _exec(parent: int, command: list[str]) -> None:
   os.execvp(command[0], command)
 
 
-def _watch(token: str) -> None:
+def _watch(token: str, paths: list[str]) -> None:
   for line in sys.stdin:
     if line.strip() == "done":
       return
   sweep(token)
+  for path in paths:
+    shutil.rmtree(path, ignore_errors=True)
 
 
 if __name__ == "__main__":
   if sys.argv[1] == "exec":
     _exec(int(sys.argv[2]), sys.argv[3:])
   else:
-    _watch(sys.argv[2])
+    _watch(sys.argv[2], sys.argv[3:])
