@@ -153,6 +153,20 @@ def test_an_error_reply_or_a_reply_twice_costs_only_that_client(strategy):  # py
   assert sorted(uploads) == [0, 1, 3]
 
 
+def test_a_reply_naming_another_nodes_client_is_dropped_even_first(strategy, caplog):  # pylint: disable=redefined-outer-name
+  """A node's reply counts only for the client that node was asked to train:
+  `BAD`'s node naming client `BAD + 1`, whose reply has not arrived yet (so that
+  client is still awaited), is dropped, and that client's own reply counts."""
+  replies = _train_replies(strategy, _metric("client", BAD + 1))
+  first = next(i for i, r in enumerate(replies) if r.metadata.src_node_id == BAD + 1)
+  replies.insert(0, replies.pop(first))
+  _, metrics = strategy.aggregate_train(1, replies)
+  assert strategy.history[-1].dropped_clients == (BAD,)
+  assert (metrics["aggregated"], metrics["dropped"]) == (3, 1)
+  assert f"node {BAD + 1}: reply dropped" in caplog.text
+  assert f"node {BAD + 2}: reply dropped" not in caplog.text
+
+
 def test_a_reply_whose_data_declares_10_12_elements_allocates_nothing(monkeypatch):
   """The size is refused from the header: no allocation, no `np.load`."""
   def refuse(*args, **kwargs):

@@ -1,7 +1,7 @@
 """A Flower federation of pflax on this machine against outsiders, and its end
 (slow): a process with a Flower home of its own that knows only the port can
 neither list, submit nor stop runs, nor join as a SuperNode; SIGTERM or SIGKILL
-of `pflax-run --flower` leaves no process and no listening port; `pflax-run
+of `pflax-run --flower` leaves no process, no listening port and no key folder; `pflax-run
 --flower` finds Flower beside its Python when that is not on PATH."""
 
 import json
@@ -164,8 +164,8 @@ def _pflax_run(tmp_path, rounds, path=None):
       start_new_session=True)
 
 
-def _wait_for_the_server_app(process, timeout=100.0):
-  """The federation's token and ports once its ServerApp runs."""
+def _wait_for_the_server_app(process, timeout=240.0):
+  """The federation's token, ports and Flower home once its ServerApp runs."""
   deadline = time.monotonic() + timeout
   while time.monotonic() < deadline:
     assert process.poll() is None, process.stdout.read()
@@ -173,9 +173,11 @@ def _wait_for_the_server_app(process, timeout=100.0):
     if any("flwr-serverapp" in " ".join(_cmdline(p)) for p in tree):
       token = next(filter(None, (processes.environment(p).get(flower_guard.VARIABLE)
                                  for p in tree)))
+      home = next(filter(None, (processes.environment(p).get("FLWR_HOME")
+                                for p in tree)))
       ports = [int(c[c.index("--port") + 1]) for c in map(_cmdline, tree)
                if "--port" in c]
-      return token, ports
+      return token, ports, home
     time.sleep(0.5)
   raise AssertionError("no ServerApp started")
 
@@ -185,8 +187,9 @@ def _wait_for_the_server_app(process, timeout=100.0):
 def test_killing_pflax_run_flower_leaves_no_process_and_no_port(sig, tmp_path):
   process = _pflax_run(tmp_path, rounds=100)
   try:
-    token, ports = _wait_for_the_server_app(process)
+    token, ports, home = _wait_for_the_server_app(process)
     assert ports and all(map(_listening, ports))
+    assert os.path.isdir(os.path.join(home, "keys"))
     os.kill(process.pid, sig)
     output = process.communicate(timeout=40)[0]
     deadline = time.monotonic() + 5.0
@@ -194,6 +197,9 @@ def test_killing_pflax_run_flower_leaves_no_process_and_no_port(sig, tmp_path):
       time.sleep(0.2)
     assert not _alive(token), [_cmdline(p) for p in _alive(token)]
     assert not any(map(_listening, ports))
+    while os.path.exists(home) and time.monotonic() < deadline + 10.0:
+      time.sleep(0.2)
+    assert not os.path.exists(os.path.dirname(home))  # the CA and node keys too
   finally:
     if process.poll() is None:
       os.killpg(process.pid, signal.SIGKILL)
