@@ -1,6 +1,8 @@
 """A Flower federation of pflax on this machine against outsiders, and its end
-(slow): a process with a Flower home of its own that knows only the port can
-neither list, submit nor stop runs, nor join as a SuperNode; SIGTERM or SIGKILL
+(slow): a process with a Flower home of its own that knows only the port and
+verifies the certificate (without pflax's CA, or without TLS) can neither list,
+submit nor stop runs, nor join as a SuperNode (one that skips verification can:
+docs/flower-security.md); SIGTERM or SIGKILL
 of `pflax-run --flower` leaves no process, no listening port and no key folder; `pflax-run
 --flower` finds Flower beside its Python when that is not on PATH."""
 

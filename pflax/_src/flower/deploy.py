@@ -9,12 +9,16 @@ with Flower's simulation engine instead (the clients are Ray actors of that
 SuperLink; no SuperNode processes). `run` submits an experiment with
 `flwr run` and returns its `results.json`.
 
-Secure by default: the SuperLink speaks TLS only, with a certificate of a
-certificate authority made for this federation, and admits only SuperNodes whose
-keys pflax generated and registered (`--enable-supernode-auth`). Certificates,
-keys and the Flower home lie in a private (0700) directory, so another user's
-process that knows the port can neither use the SuperLink's APIs (`flwr ls`,
-`run`, `stop`: it cannot verify the server) nor join as a node.
+TLS and SuperNode authentication by default: the SuperLink speaks TLS only,
+with a certificate of a certificate authority made for this federation, and
+admits only SuperNodes whose keys pflax generated and registered
+(`--enable-supernode-auth`). Certificates, keys and the Flower home lie in a
+private (0700) directory, removed on every exit (SIGKILL of this process
+included: the watchdog). Not secure against other local processes: Flower 1.42's
+open-source release authenticates neither the clients of the SuperLink's
+Control API (a client that skips certificate verification can list, submit and
+stop runs and register a node key) nor those of a SuperNode's runtime API (any
+local process can take the node's tasks); see docs/flower-security.md.
 
 No orphans: every process is started in a process group of its own, killed
 (SIGKILL) by the kernel if the Python process that started it dies

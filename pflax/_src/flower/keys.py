@@ -1,4 +1,4 @@
-"""The credentials of a secure Flower federation (`LocalFederation`, and the
+"""The credentials of a Flower federation with TLS and node authentication (`LocalFederation`, and the
 README's cross-machine commands): a private certificate authority, a TLS
 certificate of the SuperLink signed by it, and SuperNode key pairs.
 
