@@ -71,6 +71,26 @@ def test_an_outsider_can_neither_list_nor_submit_nor_stop(federation, rogue,
   assert _json(federation.env, "ls")["runs"] == []  # nothing was submitted
 
 
+def test_an_outsider_that_skips_verification_lists_runs(federation):  # pylint: disable=redefined-outer-name
+  """What docs/flower-security.md says Flower 1.42 allows: a process that skips
+  certificate verification is served by the Control API (`list-runs`), since
+  TLS does not authenticate the client. When Flower starts refusing it, this
+  fails: then the docs and the README can say the Control API is closed."""
+  from flwr.proto import control_pb2  # pylint: disable=import-outside-toplevel,no-name-in-module
+  script = (
+      "import http.client, ssl, sys\n"
+      f"c = http.client.HTTPSConnection('127.0.0.1', {federation.port}, timeout=60, "
+      "context=ssl._create_unverified_context())\n"
+      "c.request('POST', '/v1/control/list-runs', body=bytes.fromhex(sys.argv[1]), "
+      "headers={'Content-Type': 'application/protobuf'})\n"
+      "r = c.getresponse()\nprint(r.status, len(r.read()))\n")
+  done = subprocess.run([sys.executable, "-I", "-c", script,
+                         control_pb2.ListRunsRequest().SerializeToString().hex()],
+                        capture_output=True, text=True, timeout=90, check=False)
+  assert done.returncode == 0, done.stderr
+  assert done.stdout.split()[0] == "200", done.stdout
+
+
 def test_an_outsider_cannot_join_as_a_supernode(federation, rogue, tmp_path):
   """Without a registered key, even with pflax's CA certificate in hand, or
   without TLS, a SuperNode claiming partition 0 is not admitted."""
