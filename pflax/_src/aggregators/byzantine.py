@@ -146,14 +146,17 @@ def _multi_krum(params, reference, mask, num_byzantine, num_selected):
   params = _present(params, mask, reference)
   distances = squared_distances(params, reference)
   scores = krum_scores(distances, num_byzantine, candidates)
-  chosen = _best(distances, scores, candidates, num_selected)
+  count = (jnp.sum(candidates) - num_byzantine if num_selected is None
+           else num_selected)
+  chosen = _best(distances, scores, candidates, count)
   weights = chosen.astype(jnp.float32) / jnp.maximum(jnp.sum(chosen), 1)
   return jax.tree.map(
       lambda x: tree_lib.mix_leaf(weights[None], jnp.where(_rows(x, chosen), x, 0))[0],
       params)
 
 
-def multi_krum(params: types.Stacked, *, num_byzantine: int, num_selected: int,
+def multi_krum(params: types.Stacked, *, num_byzantine: int,
+               num_selected: int | None = None,
                reference: types.Tree | None = None,
                mask: chex.Array | None = None) -> types.Tree:
   """Multi-Krum: the mean of the `m` clients of lowest Krum score.
@@ -166,7 +169,7 @@ def multi_krum(params: types.Stacked, *, num_byzantine: int, num_selected: int,
   Args:
     params: stacked client models, leaves `(M, ...)`, real floating dtypes.
     num_byzantine: f >= 0, the number of Byzantine clients tolerated.
-    num_selected: m in [1, M].
+    num_selected: m in [1, n]; None: n - f (the paper's experiments).
     reference: a tree without the client axis that the distances are taken
       from (e.g. the global model the clients started from); None: the
       coordinate-wise median. It changes only the rounding.
@@ -192,8 +195,9 @@ def multi_krum(params: types.Stacked, *, num_byzantine: int, num_selected: int,
   """
   m, mask, n = _participants(params, mask)
   _check_byzantine(num_byzantine, n, 2 * num_byzantine + 3, "Krum", "n > 2f + 2")
-  checks.integer_at_least(num_selected, "num_selected", 1)
-  if num_selected > (m if n is None else n):
+  if num_selected is not None:
+    checks.integer_at_least(num_selected, "num_selected", 1)
+  if num_selected is not None and num_selected > (m if n is None else n):
     raise ValueError(f"num_selected must be at most the {m if n is None else n} "
                      f"participating clients, got {num_selected}.")
   if reference is not None:
