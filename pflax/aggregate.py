@@ -1,5 +1,10 @@
 """Server-side aggregators: pure functions of stacked client pytrees."""
 
+from pflax._src.aggregators.byzantine import bulyan
+from pflax._src.aggregators.byzantine import centered_clipping
+from pflax._src.aggregators.byzantine import geometric_median
+from pflax._src.aggregators.byzantine import krum
+from pflax._src.aggregators.byzantine import multi_krum
 from pflax._src.aggregators.cwfedavg import class_models
 from pflax._src.aggregators.cwfedavg import cw_fedavg
 from pflax._src.aggregators.cwfedavg import personalize
@@ -23,7 +28,9 @@ from pflax._src.core.weights import estimate_class_dist
 
 __all__ = (
     "FedReMaState",
+    "bulyan",
     "capped_weights",
+    "centered_clipping",
     "class_models",
     "clip_updates",
     "cw_fedavg",
@@ -34,9 +41,12 @@ __all__ = (
     "fedrema",
     "fedrema_init",
     "fedsa",
+    "geometric_median",
+    "krum",
     "log2_update_norms",
     "mds",
     "median",
+    "multi_krum",
     "personalize",
     "probe_logits",
     "relevance",

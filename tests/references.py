@@ -710,3 +710,88 @@ def ala_ref(weights, local, global_model):
       lambda w, l, g: np.asarray(l, np.float64)
       + (np.asarray(g, np.float64) - np.asarray(l, np.float64)) * np.asarray(w),
       weights, local, global_model)
+
+
+# ---------------------------------------- Byzantine-robust rules (issue 32)
+
+
+def _flat64(params, mask=None):
+  """`(n, d)` float64 rows of the participating clients, and their indices."""
+  rows = flat_clients(params).astype(np.float64)
+  keep = np.arange(rows.shape[0]) if mask is None else np.flatnonzero(mask)
+  return rows[keep], keep
+
+
+def krum_scores_ref(rows: np.ndarray, f: int) -> np.ndarray:
+  """Blanchard et al. 2017, Eq. 2: each row's sum of squared distances to its
+  n - f - 2 nearest other rows (at least one)."""
+  n = rows.shape[0]
+  k = max(n - f - 2, 1)
+  scores = []
+  for i in range(n):
+    d = sorted(float(np.sum((rows[i] - rows[j]) ** 2)) for j in range(n) if j != i)
+    scores.append(sum(d[:k]))
+  return np.array(scores)
+
+
+def krum_order_ref(rows: np.ndarray, f: int) -> np.ndarray:
+  """Rows by Krum score; equal scores by the sum of all distances, then index."""
+  total = np.array([sum(float(np.sum((r - s) ** 2)) for s in rows) for r in rows])
+  return np.lexsort((np.arange(rows.shape[0]), total, krum_scores_ref(rows, f)))
+
+
+def multi_krum_ref(params, f, m, mask=None):
+  """The mean of the m rows of lowest Krum score."""
+  rows, _ = _flat64(params, mask)
+  best = krum_order_ref(rows, f)[:m]
+  return _unflat(params, rows[best].mean(axis=0))
+
+
+def bulyan_ref(params, f, mask=None):
+  """El Mhamdi et al. 2018, Algorithm 1: theta = n - 2f rows chosen one by one
+  by Krum among those left; per coordinate the mean of the beta = theta - 2f
+  chosen values closest to their median."""
+  rows, _ = _flat64(params, mask)
+  n = rows.shape[0]
+  theta, left, chosen = n - 2 * f, list(range(n)), []
+  for _ in range(theta):
+    chosen.append(left.pop(int(krum_order_ref(rows[left], f)[0])))
+  s = rows[chosen]
+  beta = theta - 2 * f
+  med = np.median(s, axis=0)
+  order = np.argsort(np.abs(s - med), axis=0, kind="stable")
+  return _unflat(params, np.take_along_axis(s, order, axis=0)[:beta].mean(axis=0))
+
+
+def geometric_median_ref(params, alphas=None, nu=1e-6, iterations=3, mask=None):
+  """Pillutla et al. 2022, Algorithm 2 (smoothed Weiszfeld) from the weighted mean."""
+  rows, keep = _flat64(params, mask)
+  a = np.ones(rows.shape[0]) if alphas is None else np.asarray(alphas, np.float64)[keep]
+  a = a / a.sum()
+  v = a @ rows
+  for _ in range(iterations):
+    beta = a / np.maximum(nu, np.linalg.norm(rows - v, axis=1))
+    v = (beta / beta.sum()) @ rows
+  return _unflat(params, v)
+
+
+def centered_clipping_ref(params, center, tau, iterations=1, mask=None):
+  """Karimireddy et al. 2021, Eq. 4: v <- v + mean_i (x_i - v) min(1, tau/||x_i - v||)."""
+  rows, _ = _flat64(params, mask)
+  v = np.concatenate([np.ravel(c).astype(np.float64) for c in leaves(center)])
+  for _ in range(iterations):
+    d = rows - v
+    norm = np.linalg.norm(d, axis=1)
+    factor = np.minimum(1.0, tau / np.maximum(norm, 1e-300))
+    v = v + (factor[:, None] * d).mean(axis=0)
+  return _unflat(params, v)
+
+
+def _unflat(params, vector):
+  """A flat float64 vector back into `params`'s structure without the client axis."""
+  out, start = [], 0
+  for x in leaves(params):
+    size = int(np.prod(x.shape[1:]))
+    out.append(vector[start:start + size].reshape(x.shape[1:]))
+    start += size
+  return unflatten_like(params, out)

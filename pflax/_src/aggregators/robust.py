@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pflax._src.aggregators import fedavg as fedavg_lib
 from pflax._src.core import checks
 from pflax._src.core import numerics
 from pflax._src.core import types
@@ -259,38 +258,3 @@ def trimmed_mean(params: types.Stacked, *, trim_fraction: float = 0.1,
   if checks.is_concrete(trim_fraction) and not 0 <= trim_fraction < 0.5:
     raise ValueError(f"trim_fraction must be in [0, 0.5), got {trim_fraction!r}.")
   return _trimmed_mean(params, jnp.asarray(trim_fraction, jnp.float32), mask)
-
-
-ROBUST = ("none", "median", "trimmed_mean")
-"""The `robust` options of the global-model builders."""
-
-
-def global_aggregator(robust: str = "none", trim_fraction: float = 0.1,
-                      max_share: float | None = None):
-  """`aggregate(trained, num_samples, *, mask) -> model` of a global-model method:
-  FedAvg (its weights capped at `max_share` if given), the coordinate-wise
-  `median` or the `trimmed_mean` (these two ignore the counts).
-
-  Raises:
-    ValueError: for a `robust` not in `ROBUST` or options out of range.
-  """
-  if robust not in ROBUST:
-    raise ValueError(f"robust must be one of {ROBUST}, got {robust!r}.")
-  if checks.is_concrete(trim_fraction) and not 0 <= trim_fraction < 0.5:
-    raise ValueError(f"trim_fraction must be in [0, 0.5), got {trim_fraction!r}.")
-  if (max_share is not None and checks.is_concrete(max_share)
-      and not 0 < max_share <= 1):
-    raise ValueError(f"max_share must be None or in (0, 1], got {max_share!r}.")
-  if robust != "none" and max_share is not None:
-    raise ValueError(f"max_share bounds FedAvg's weights; robust={robust!r} is "
-                     "unweighted: pass one of them.")
-
-  def aggregate(trained, num_samples, *, mask=None):
-    if robust == "median":
-      return median(trained, mask=mask)
-    if robust == "trimmed_mean":
-      return trimmed_mean(trained, trim_fraction=trim_fraction, mask=mask)
-    if max_share is not None:
-      num_samples = capped_weights(num_samples, max_share, mask=mask)
-    return fedavg_lib.fedavg(trained, num_samples, mask=mask)
-  return aggregate

@@ -9,6 +9,7 @@ from typing import Any
 
 from pflax._src.cli import runtime
 from pflax._src.methods import registry
+from pflax._src.simulation import engine
 from pflax._src.simulation import simulate
 
 FIELD_HELP = {
@@ -30,9 +31,13 @@ FIELD_HELP = {
                       "run's key, is faulty (see --fault-kind)",
     "fault_kind": "what faulty clients do: nan uploads NaN, scaled multiplies its "
                   "update by --fault-scale, inflated_counts declares its class "
-                  "counts times --fault-scale (--faulty-clients of all clients)",
-    "fault_scale": "the factor of scaled (default 1e30) and inflated_counts "
-                   "(default 10)",
+                  "counts times --fault-scale (--faulty-clients of all clients); "
+                  "attacks (docs/robustness.md): sign_flip, gaussian (noise of std "
+                  "--fault-scale), alie (a little is enough), ipm (inner-product "
+                  "manipulation, epsilon --fault-scale)",
+    "fault_scale": "the factor of scaled (default 1e30), inflated_counts (10), "
+                   "sign_flip (1), gaussian's std (1), alie's z_max (1) and ipm's "
+                   "epsilon (0.1)",
     "outlier_factor": "drop a participant whose update norm exceeds this many times "
                       "the round's median (0: never)",
     "eval_every": "evaluate every N rounds (and after the last)",
@@ -48,7 +53,7 @@ FIELD_HELP = {
                  "and v each on its own)",
 }
 FIELD_CHOICES = {"partition": simulate.PARTITIONS, "test_split": simulate.TEST_SPLITS,
-                 "fault_kind": ("nan", "scaled", "inflated_counts"),
+                 "fault_kind": engine.FAULT_KINDS,
                  "model": ("auto", "cnn", "mlp"),
                  "family": ("cnn", "mlp"),
                  "strategy": ("auto", "vmap", "loop", "map"),

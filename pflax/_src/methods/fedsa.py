@@ -1,7 +1,5 @@
 """FedSA: FedAvg's client training, parameter-skew-aware aggregation."""
 
-import functools
-
 import flax.linen as nn
 import optax
 
@@ -32,9 +30,12 @@ def fedsa(model: nn.Module, optimizer: optax.GradientTransformation,
   alg.check_range("cv_threshold", cv_threshold, 0.0)
   fedavg.check_robust(clip_norm)
   alg.check_range("sim_threshold", sim_threshold, -1.0, 1.0)
-  aggregate = functools.partial(fedsa_lib.fedsa, cv_threshold=cv_threshold,
-                                sim_threshold=sim_threshold, num_mic=num_mic,
-                                num_mac=num_mac)
+
+  def aggregate(trained, num_samples, *, mask, reference):
+    del reference
+    return fedsa_lib.fedsa(trained, num_samples, mask=mask, cv_threshold=cv_threshold,
+                           sim_threshold=sim_threshold, num_mic=num_mic,
+                           num_mac=num_mac)
   return fedavg.global_algorithm(optimizer, alg.cross_entropy_loss(model), aggregate,
                                  clip_norm=clip_norm)
 

@@ -7,8 +7,9 @@ seed and a federation. One round of one run is pure:
    the round's keys (`round_keys`);
 2. each architecture group's participants train from their client models
    (`pflax.train`), each client with its key (`group_training_keys`);
-3. the faulty clients' uploads are corrupted (`fault_kind`: NaN, or their
-   updates scaled; or their class counts were inflated at init); clients that
+3. the faulty clients' uploads are corrupted (`fault_kind`: NaN, their
+   updates scaled, an attack of `attack_updates`; or their class counts were
+   inflated at init); clients that
    did not take part, uploaded non-finite values or an update norm far above
    the round's median (`healthy_clients`) are given back their starting model
    and previous optimizer state; the server step (`server_step`) aggregates;
@@ -63,11 +64,15 @@ OUTLIER_FACTOR = 1000.0
 MIN_OUTLIER_CLIENTS = 3
 """The outlier test needs this many finite participants with a non-zero update."""
 
-FAULT_KINDS = ("nan", "scaled", "inflated_counts")
+FAULT_KINDS = ("nan", "scaled", "inflated_counts", "sign_flip", "gaussian", "alie",
+               "ipm")
 """`fault_kind`s: NaN uploads, updates times `fault_scale`, class counts times
-`fault_scale` (a lie at registration)."""
+`fault_scale` (a lie at registration), and the attacks of the Byzantine-robustness
+literature (`attack_updates`): sign flipping, Gaussian noise, "a little is
+enough" (ALIE) and inner-product manipulation (IPM)."""
 
-DEFAULT_FAULT_SCALES = {"nan": 1.0, "scaled": 1e30, "inflated_counts": 10.0}
+DEFAULT_FAULT_SCALES = {"nan": 1.0, "scaled": 1e30, "inflated_counts": 10.0,
+                        "sign_flip": 1.0, "gaussian": 1.0, "alie": 1.0, "ipm": 0.1}
 """`fault_scale` of each kind when None."""
 
 PerGroup = tuple[types.Stacked, ...]
@@ -154,6 +159,60 @@ def scale_updates(start: types.Stacked, trained: types.Stacked, faulty: chex.Arr
            + scale * (x.astype(jnp.float32) - s.astype(jnp.float32))).astype(x.dtype)
     return jnp.where(faulty.reshape((-1,) + (1,) * (x.ndim - 1)), bad, x)
   return jax.tree.map(corrupt, start, trained)
+
+
+def _benign_moments(updates: chex.Array, benign: chex.Array
+                    ) -> tuple[chex.Array, chex.Array]:
+  """The coordinate-wise mean and (population) standard deviation of the
+  benign clients' rows of one `(m, ...)` float32 leaf (zeros without any)."""
+  rows = benign.reshape((-1,) + (1,) * (updates.ndim - 1))
+  count = jnp.maximum(jnp.sum(benign), 1).astype(jnp.float32)
+  mean = jnp.sum(jnp.where(rows, updates, 0.0), axis=0) / count
+  var = jnp.sum(jnp.where(rows, jnp.square(updates - mean), 0.0), axis=0) / count
+  return mean, jnp.sqrt(var)
+
+
+def alie_z(num_participants: chex.Array, num_faulty_: chex.Array) -> chex.Array:
+  """Baruch et al. 2019's `z_max` (Algorithm 3): with `s = floor(n/2 + 1) - f`
+  workers to win over, `z_max = Phi^-1((n - s) / n)`."""
+  n = num_participants.astype(jnp.float32)
+  s = jnp.floor(n / 2 + 1) - num_faulty_.astype(jnp.float32)
+  return jax.scipy.special.ndtri(jnp.clip((n - s) / jnp.maximum(n, 1), 1e-6, 1 - 1e-6))
+
+
+def attack_updates(kind: str, start: types.Stacked, trained: types.Stacked,
+                   faulty: chex.Array, benign: chex.Array, key: chex.PRNGKey,
+                   scale: float, z: chex.Array) -> types.Stacked:
+  """The uploads with the faulty clients' replaced by an attack on their updates
+  `u_i = trained_i - start_i` (float32), colluding where the attack says so:
+
+  - "sign_flip": `start_i - scale u_i` (each its own update, reversed);
+  - "gaussian": `start_i + N(0, scale^2)` per coordinate, drawn from `key`;
+  - "alie": `start_i + mu - scale z sigma`, `mu`, `sigma` the benign clients'
+    coordinate-wise mean and standard deviation and `z` Baruch et al.'s
+    `z_max` (`alie_z`): the same upload for every colluder;
+  - "ipm": `start_i - scale mu` (Xie et al. 2020, epsilon = `scale`): the
+    same for every colluder.
+
+  The other clients' uploads are returned exactly as given.
+  """
+  leaves, structure = jax.tree.flatten(trained)
+  keys = jax.random.split(key, len(leaves))
+
+  def one(s, x, k):
+    s32 = s.astype(jnp.float32)
+    u = x.astype(jnp.float32) - s32
+    if kind == "sign_flip":
+      bad = s32 - scale * u
+    elif kind == "gaussian":
+      bad = s32 + scale * jax.random.normal(k, x.shape, jnp.float32)
+    else:
+      mean, std = _benign_moments(u, benign)
+      bad = s32 + (mean - scale * z * std if kind == "alie" else -scale * mean)[None]
+    rows = faulty.reshape((-1,) + (1,) * (x.ndim - 1))
+    return jnp.where(rows, bad.astype(x.dtype), x)
+  return jax.tree.unflatten(structure, [
+      one(s, x, k) for s, x, k in zip(jax.tree.leaves(start), leaves, keys)])
 
 
 def lying_clients(seed: chex.Array, num_real: int, padded: int,
@@ -473,9 +532,17 @@ def warmup_step(groups: groups_lib.Groups, state: alg.State, starts: PerGroup,
 
 
 def _with_faults(groups: groups_lib.Groups, starts: PerGroup, uploads: PerGroup,
-                 faulty: chex.Array, fault_kind: str, fault_scale: float) -> PerGroup:
-  """The uploads with the faulty clients' corrupted ("nan", "scaled"; the
-  other kinds corrupt no upload)."""
+                 faulty: chex.Array, took_part: chex.Array, key: chex.PRNGKey,
+                 fault_kind: str, fault_scale: float) -> PerGroup:
+  """The uploads with the faulty clients' corrupted ("nan", "scaled" and the
+  attacks of `attack_updates`, each group's benign participants being the
+  attacks' statistics; "inflated_counts" corrupts no upload)."""
+  if fault_kind in ("sign_flip", "gaussian", "alie", "ipm"):
+    z = alie_z(jnp.sum(took_part), jnp.sum(faulty))
+    benign = took_part & ~faulty
+    return tuple(attack_updates(fault_kind, s, u, faulty[index], benign[index],
+                                jax.random.fold_in(key, g), fault_scale, z)
+                 for g, (index, s, u) in enumerate(zip(groups.clients, starts, uploads)))
   if fault_kind == "nan":
     return tuple(upload_faults(u, faulty[index])
                  for index, u in zip(groups.clients, uploads))
@@ -497,8 +564,9 @@ def _round_outputs(groups: groups_lib.Groups, carry: Carry, inputs: _Inputs,
   non-finite: it is dropped from this round only.
   """
   starts, trained, opt_after, losses = _trained(groups, carry, inputs, results)
-  trained = _with_faults(groups, starts, trained, inputs.faulty, fault_kind,
-                         fault_scale)
+  trained = _with_faults(groups, starts, trained, inputs.faulty, inputs.took_part,
+                         jax.random.fold_in(inputs.server_key, FAULT_STREAM),
+                         fault_kind, fault_scale)
   state, healthy = server_step(groups, carry.state, starts, trained, inputs.took_part,
                                inputs.server_key, outlier_factor)
   opts = tuple(weights_lib.keep_masked(after, before, mask) for after, before, mask in

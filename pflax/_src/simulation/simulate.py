@@ -82,8 +82,9 @@ class ExperimentConfig:
     fault_kind: what faulty clients do (`pflax._src.simulation.engine.FAULT_KINDS`):
       "nan" uploads NaN; "scaled" uploads `start + s (trained - start)`;
       "inflated_counts" declares its class counts times s at registration
-      (its uploads are honest).
-    fault_scale: s (None: 1e30 for "scaled", 10 for "inflated_counts").
+      (its uploads are honest); the attacks "sign_flip", "gaussian", "alie"
+      and "ipm" (`engine.attack_updates`, docs/robustness.md).
+    fault_scale: s (None: `engine.DEFAULT_FAULT_SCALES`).
     outlier_factor: the server drops a participant whose update norm exceeds
       this many times the round's median (docs/methods.md#simulation); None
       or 0 disables the test.
@@ -667,6 +668,22 @@ def check_algorithm(algorithm: str | Builder, config: ExperimentConfig) -> None:
   check_algorithm_keys(config, [algorithm])
   builder, optimizer, keywords = _builder_arguments(algorithm, config)
   builder(models.MLP(2), client_optimizer(**optimizer), **keywords)
+  check_byzantine_bound(algorithm, config)
+
+
+def check_byzantine_bound(algorithm: str | Builder, config: ExperimentConfig) -> None:
+  """Raises ValueError if a round's participants (`clients x participation`)
+  are too few for the `robust` rule and `num_byzantine` of `algorithm`'s
+  hyperparameters (Krum and Multi-Krum: n > 2f + 2; Bulyan: n >= 4f + 3)."""
+  keywords = _builder_arguments(algorithm, config)[2]
+  participants = engine.num_participants(config.participation, config.clients)
+  f = keywords.get("num_byzantine", 0)
+  need = {"krum": 2 * f + 3, "multi_krum": 2 * f + 3,
+          "bulyan": 4 * f + 3}.get(keywords.get("robust"))
+  if need is not None and participants < need:
+    raise ValueError(f"robust={keywords['robust']!r} with num_byzantine={f} needs at "
+                     f"least {need} participants a round, got {participants} "
+                     "(clients x participation); lower num_byzantine or add clients.")
 
 
 def check_heterogeneous(algorithm: str | Builder, config: ExperimentConfig) -> None:
@@ -708,6 +725,7 @@ class _Grid:
     builder = resolve_builder(algorithm) if isinstance(algorithm, str) else algorithm
     _check_grid(seeds, swept, values, builder)
     check_heterogeneous(algorithm, config)
+    check_byzantine_bound(algorithm, config)
     if mesh is not None and config.heterogeneous:
       raise ValueError("a mesh splits one architecture's clients: heterogeneous=False.")
     setups = dict(setups or {})
