@@ -172,6 +172,39 @@ def train_client(loss_fn: LossFn, optimizer: optax.GradientTransformation,
   return ClientResult(params, opt_state, mean_loss)
 
 
+PRECISIONS = ("float32", "bf16")
+"""Compute precisions of local training (`with_precision`)."""
+
+
+def _to_bf16(a: chex.Array) -> chex.Array:
+  return a.astype(jnp.bfloat16) if jnp.issubdtype(a.dtype, jnp.floating) else a
+
+
+def with_precision(loss_fn: LossFn, precision: str) -> LossFn:
+  """`loss_fn` computing in `precision`, its parameters and gradients float32.
+
+  "float32" returns `loss_fn` itself. "bf16" (mixed precision): the loss sees
+  the floating leaves of the parameters and the inputs `batch.x` cast to
+  bfloat16, so the model's activations and matmuls run in bfloat16, and
+  returns a float32 loss. The parameters and the optimizer state stay float32:
+  the cast's transpose turns the gradients back to float32, and the optimizer
+  updates float32 weights. The `context` (e.g. FedProx's global model) is not
+  cast. pflax's losses take the softmax in float32 (`losses.cross_entropy`).
+
+  Raises:
+    ValueError: for a precision not in `PRECISIONS`.
+  """
+  if precision not in PRECISIONS:
+    raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}.")
+  if precision == "float32":
+    return loss_fn
+
+  def bf16_loss(params, context, batch, key):
+    low = batch._replace(x=jax.tree.map(_to_bf16, batch.x))
+    return loss_fn(jax.tree.map(_to_bf16, params), context, low, key).astype(jnp.float32)
+  return bf16_loss
+
+
 def _client_schedule(valid: chex.Array, key: chex.PRNGKey, *, epochs: int,
                      batch_size: int) -> tuple[chex.Array, chex.Array, chex.Array]:
   """One client's sample indices and validity `(E * S, B)` and step keys `(E * S,)`,
@@ -241,8 +274,8 @@ TRAINER_STRATEGIES = mapping.STRATEGIES + ("steps",)
 def make_trainer(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
                  epochs: int, batch_size: int, strategy: str = "auto",
                  unroll: int | bool | None = None, chunk_size: int | None = None,
-                 memory_budget: int | None = None,
-                 threads: int | None = None) -> Callable[..., ClientResult]:
+                 memory_budget: int | None = None, threads: int | None = None,
+                 precision: str = "float32") -> Callable[..., ClientResult]:
   """Builds the local-training function of a round; build once, call every round.
 
   Args:
@@ -277,6 +310,8 @@ def make_trainer(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
       (default): no budget.
     threads: worker threads of the "loop" strategy (None: one per CPU core
       available, `default_threads()`).
+    precision: "float32" or "bf16", bfloat16 activations and matmuls with
+      float32 parameters and optimizer state (`with_precision`).
 
   Returns:
     `train(params, opt_state, context, x, y, valid, keys) -> ClientResult`, all
@@ -286,6 +321,7 @@ def make_trainer(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
   if epochs < 1 or batch_size < 1:
     raise ValueError(f"epochs and batch_size must be >= 1, got {epochs}, {batch_size}.")
   mapping.check_threads(threads)
+  loss_fn = with_precision(loss_fn, precision)
   if strategy == "steps":
     if memory_budget is not None:
       raise ValueError("memory_budget needs strategy 'auto' or 'map', got 'steps'; "
