@@ -127,6 +127,15 @@ def _scan_unroll(unroll: int | bool | None, steps: int,
   return unroll if isinstance(unroll, bool) else max(1, min(unroll, steps))
 
 
+def _client_schedule(valid: chex.Array, key: chex.PRNGKey, *, epochs: int,
+                     batch_size: int) -> tuple[chex.Array, chex.Array, chex.Array]:
+  """One client's sample indices and validity `(E * S, B)` (`batch_schedule`) and
+  step keys `(E * S,)` (`_step_keys`), both drawn from `key`."""
+  order_key, step_key = jax.random.split(key)
+  index, real = batch_schedule(order_key, valid, epochs, batch_size)
+  return index, real, _step_keys(step_key, epochs, _num_steps(valid.shape[0], batch_size))
+
+
 class ClientResult(NamedTuple):
   """Output of one client's local training."""
   params: types.Tree
@@ -147,9 +156,7 @@ def train_client(loss_fn: LossFn, optimizer: optax.GradientTransformation,
   through the training (`pflax.tune`) keeps each step's parameters and optimizer
   state, not its activations (same results).
   """
-  order_key, step_key = jax.random.split(key)
-  index, real = batch_schedule(order_key, valid, epochs, batch_size)
-  keys = _step_keys(step_key, epochs, _num_steps(valid.shape[0], batch_size))
+  index, real, keys = _client_schedule(valid, key, epochs=epochs, batch_size=batch_size)
   grad_fn = jax.value_and_grad(loss_fn)
 
   def step(carry, inputs):
@@ -203,15 +210,6 @@ def with_precision(loss_fn: LossFn, precision: str) -> LossFn:
     low = batch._replace(x=jax.tree.map(_to_bf16, batch.x))
     return loss_fn(jax.tree.map(_to_bf16, params), context, low, key).astype(jnp.float32)
   return bf16_loss
-
-
-def _client_schedule(valid: chex.Array, key: chex.PRNGKey, *, epochs: int,
-                     batch_size: int) -> tuple[chex.Array, chex.Array, chex.Array]:
-  """One client's sample indices and validity `(E * S, B)` and step keys `(E * S,)`,
-  drawn from `key` exactly as `train_client` draws them."""
-  order_key, step_key = jax.random.split(key)
-  index, real = batch_schedule(order_key, valid, epochs, batch_size)
-  return index, real, _step_keys(step_key, epochs, _num_steps(valid.shape[0], batch_size))
 
 
 def _stepwise(loss_fn: LossFn, optimizer: optax.GradientTransformation, *, epochs: int,
