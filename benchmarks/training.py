@@ -9,7 +9,8 @@ not depend on the values.
 
 Implementations:
   pflax <strategy>  `pflax.train.make_trainer(..., strategy=...)` for "auto"
-                    (the default), "vmap", "loop" and "map" (`--chunk-size`);
+                    (the default), "vmap", "loop", "map" (`--chunk-size`) and
+                    "steps" (unchunked);
   jax loop          a Python loop over clients of a jitted per-client epoch
                     (`jax.random.permutation`, `lax.scan` over the batches,
                     fully unrolled, which is its fastest setting on XLA-CPU);
@@ -48,8 +49,8 @@ import time
 from typing import Any
 
 SAMPLES, BATCH, LR, CLASSES = 100, 10, 0.01, 10
-IMPLS = ("pflax auto", "pflax vmap", "pflax loop", "pflax map", "jax loop",
-         "torch", "torch 1 thread")
+IMPLS = ("pflax auto", "pflax vmap", "pflax loop", "pflax map", "pflax steps",
+         "jax loop", "torch", "torch 1 thread")
 INPUT_SHAPES = {"cnn": (28, 28, 1), "mlp": (784,)}
 
 
@@ -150,7 +151,9 @@ def jax_worker(impl: str, model_name: str, num_clients: int, samples: int,
   strategy = impl.split()[1]
   kwargs = {} if unroll is None else {"unroll": unroll}
   trainer = train.make_trainer(loss_fn, optimizer, epochs=1, batch_size=BATCH,
-                               strategy=strategy, chunk_size=chunk_size, **kwargs)
+                               strategy=strategy,
+                               chunk_size=chunk_size if strategy == "map" else None,
+                               **kwargs)
   params = jax.tree.map(lambda a: jnp.broadcast_to(a, (num_clients, *a.shape)),
                         global_params)
   opt_state = train.init_opt_state(optimizer, params)

@@ -1,6 +1,8 @@
 """Local training of all clients of a round, with the semantics of a per-client loop."""
 
 from pflax._src.training.mapping import STRATEGIES
+from pflax._src.training.train import PRECISIONS
+from pflax._src.training.train import TRAINER_STRATEGIES
 from pflax._src.training.mapping import bytes_per_client
 from pflax._src.training.mapping import chunk_size_for_budget
 from pflax._src.training.mapping import default_strategy
@@ -14,12 +16,15 @@ from pflax._src.training.train import evaluate_client
 from pflax._src.training.train import init_opt_state
 from pflax._src.training.train import make_trainer
 from pflax._src.training.train import train_client
+from pflax._src.training.train import with_precision
 
 __all__ = (
     "Batch",
     "ClientResult",
     "LossFn",
+    "PRECISIONS",
     "STRATEGIES",
+    "TRAINER_STRATEGIES",
     "batch_schedule",
     "bytes_per_client",
     "chunk_size_for_budget",
@@ -30,4 +35,5 @@ __all__ = (
     "make_trainer",
     "map_clients",
     "train_client",
+    "with_precision",
 )

@@ -61,7 +61,8 @@ def check_flower_flags(invocation: config_lib.Invocation) -> None:
   for flag, used in (("--devices", invocation.devices), ("--sweep", invocation.sweep),
                      ("--distributed", invocation.distributed),
                      ("--checkpoint-every", invocation.checkpoint_every),
-                     ("--resume", invocation.resume)):
+                     ("--resume", invocation.resume),
+                     ("--precision bf16", invocation.config.precision != "float32")):
     if used:
       raise messages.fail(f"{flag} is for simulations; --flower runs each seed as a "
                           "federation of its own")

@@ -249,6 +249,8 @@ def config_dict(invocation: Invocation) -> dict[str, Any]:
   optimizers' included, and the run-level choices (algorithms, seeds, sweep)."""
   config = invocation.config
   out = dataclasses.asdict(config)
+  if config.precision == "float32":  # the default: results.json as before bf16 came
+    del out["precision"]
   out["hyperparameters"] = {}
   out["optimizers"] = {}
   for name in invocation.algorithms:

@@ -48,6 +48,8 @@ FIELD_HELP = {
     "family": "the architectures of --heterogeneous clients: cnn (three CNNs and an "
               "MLP) or mlp (four MLPs, CPU-sized)",
     "strategy": "how clients are mapped in local training",
+    "precision": "local training's compute: float32, or bf16 (bfloat16 activations "
+                 "and matmuls, float32 parameters and optimizer state)",
     "lr": "the clients' learning rate (FedClassAvg: its own, see --set)",
     "grad_clip": "clip each local model's gradient to this global norm (FedDWA's w "
                  "and v each on its own)",
@@ -57,6 +59,7 @@ FIELD_CHOICES = {"partition": simulate.PARTITIONS, "test_split": simulate.TEST_S
                  "model": ("auto", "cnn", "mlp"),
                  "family": ("cnn", "mlp"),
                  "strategy": ("auto", "vmap", "loop", "map"),
+                 "precision": ("float32", "bf16"),
                  "optimizer": ("sgd", "adam")}
 CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(simulate.ExperimentConfig)
                       if f.name not in ("optimizers", "hyperparameters"))

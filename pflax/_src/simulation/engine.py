@@ -301,6 +301,7 @@ class Plan:
     strategy: the client mapping, resolved (`pflax.train.STRATEGIES`).
     output: selector of the models' output layer (`pflax.models.Parts`), whose
       norms every evaluation reports.
+    precision: local training's compute precision (`pflax.train.with_precision`).
   """
   build: Callable[[chex.Numeric | None], groups_lib.Groups]
   num_clients: int
@@ -313,6 +314,7 @@ class Plan:
   fault_kind: str = "nan"
   fault_scale: float | None = None
   outlier_factor: float | None = OUTLIER_FACTOR
+  precision: str = "float32"
 
   @property
   def scale(self) -> float:
@@ -649,7 +651,8 @@ def start_opt_state(member: alg.Algorithm, params: types.Tree,
 
 
 def client_trainer(member: alg.Algorithm, epochs: int, batch_size: int, *,
-                   remat: bool = False) -> Callable[..., train_lib.ClientResult]:
+                   remat: bool = False, precision: str = "float32"
+                   ) -> Callable[..., train_lib.ClientResult]:
   """One client's local training in a group: `train(params, opt_state, context,
   x, y, mask, key) -> ClientResult`, unstacked.
 
@@ -661,10 +664,13 @@ def client_trainer(member: alg.Algorithm, epochs: int, batch_size: int, *,
     epochs, batch_size: local training.
     remat: checkpoint each local step (`pflax.train.train_client`), for
       reverse-mode differentiation through the training.
+    precision: the loss's compute precision (`pflax.train.with_precision`).
   """
+  loss = train_lib.with_precision(member.loss, precision)
+
   def train(params, opt_state, context, x, y, mask, key):
     return train_lib.train_client(
-        member.loss, member.optimizer, params, start_opt_state(member, params, opt_state),
+        loss, member.optimizer, params, start_opt_state(member, params, opt_state),
         context, x, y, mask, key, epochs=epochs, batch_size=batch_size,
         unroll=member.unroll, remat=remat)
   return train
@@ -685,7 +691,8 @@ def _client_trainer(plan: Plan, epochs: int, g: int
   """One client's local training in group `g`, a function of `(value, *client)`."""
   def train_one(value, *client):
     member = plan.build(value).members[g]
-    return client_trainer(member, epochs, plan.batch_size)(*client)
+    return client_trainer(member, epochs, plan.batch_size,
+                          precision=plan.precision)(*client)
   return train_one
 
 

@@ -98,6 +98,9 @@ class ExperimentConfig:
       (`pflax.models.FAMILIES`): "cnn" (`heterogeneous_family`: three CNNs
       and an MLP) or "mlp" (`mlp_family`: four MLPs, CPU-sized).
     strategy: how clients are mapped in local training (`pflax.train`).
+    precision: local training's compute precision: "float32" or "bf16"
+      (bfloat16 activations and matmuls, float32 parameters and optimizer
+      state; `pflax.train.with_precision`). Evaluation runs in float32.
     local_epochs, batch_size: local training, shared by all algorithms.
     optimizer, lr, momentum, adam_b1, grad_clip: the clients' optimizer
       ("sgd" or "adam"), shared by all algorithms except as overridden.
@@ -132,6 +135,7 @@ class ExperimentConfig:
   heterogeneous: bool = False
   family: str = "cnn"
   strategy: str = "auto"
+  precision: str = "float32"
   local_epochs: int = 5
   batch_size: int = 10
   optimizer: str = "sgd"
@@ -437,7 +441,8 @@ def _plan(algorithm: str | Builder, config: ExperimentConfig, setup: Setup,
                      fault_kind=config.fault_kind, fault_scale=config.fault_scale,
                      outlier_factor=config.outlier_factor or None,
                      local_epochs=config.local_epochs, batch_size=config.batch_size,
-                     strategy=strategy, output=setup.parts.output)
+                     strategy=strategy, output=setup.parts.output,
+                     precision=config.precision)
 
 
 def _check_fits(name: str, algorithm: alg.Algorithm, setup: Setup) -> None:
@@ -499,6 +504,8 @@ def check_config(config: ExperimentConfig) -> None:
   require(config.rounds >= 1, "rounds", ">= 1")
   require(config.eval_every >= 1, "eval_every", ">= 1")
   require(config.local_epochs >= 1, "local_epochs", ">= 1")
+  require(config.precision in train_lib.PRECISIONS, "precision",
+          f"one of {train_lib.PRECISIONS}")
   require(config.batch_size >= 1, "batch_size", ">= 1")
   require(config.lr > 0 and math.isfinite(config.lr), "lr", "a finite number > 0")
   message = participation_warning(config)

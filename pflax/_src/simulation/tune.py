@@ -378,7 +378,7 @@ def _trainer(task: Task, member: alg.Algorithm) -> Callable[..., train_lib.Clien
   checkpointed (and each client, for "map", so only one chunk's steps are held
   at a time)."""
   one = engine.client_trainer(member, task.plan.local_epochs, task.plan.batch_size,
-                              remat=True)
+                              remat=True, precision=task.plan.precision)
   if task.plan.strategy == "map":
     one = jax.checkpoint(one)
   return mapping.map_clients(one, task.plan.strategy, task.chunk_size)

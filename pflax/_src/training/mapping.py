@@ -38,7 +38,7 @@ def _leading(args: Any) -> int:
   return jax.tree.leaves(args)[0].shape[0]
 
 
-def _map_chunks(batched: Callable[..., Any], chunk_size: int, *args: Any) -> Any:
+def map_chunks(batched: Callable[..., Any], chunk_size: int, *args: Any) -> Any:
   """`lax.map` over chunks of `chunk_size` clients of a vmapped function.
 
   The `M // C` full chunks run in a `fori_loop` and the `M mod C` remaining
@@ -163,7 +163,7 @@ def map_clients(fn: Callable[..., Any], strategy: str = "auto",
     return jax.jit(jax.vmap(fn))
   if strategy == "map":
     # Jitted, the vmapped chunk is traced once for its output shapes and the loop.
-    return jax.jit(functools.partial(_map_chunks, jax.jit(jax.vmap(fn)),
+    return jax.jit(functools.partial(map_chunks, jax.jit(jax.vmap(fn)),
                                      chunk_size or 1))
   return _loop_clients(fn, threads)
 

@@ -7,7 +7,8 @@ padded to a common length L so that one compiled program serves them all: the
 padded samples are ordered last, so they never enter a real batch, and steps
 whose batch holds no real sample leave parameters and optimizer state untouched.
 `make_trainer` maps the per-client step over the stacked clients of a round
-with one of `pflax.train.STRATEGIES` (see `map_clients`).
+with one of `pflax.train.STRATEGIES` (see `map_clients`), or, with strategy
+"steps", scans the local steps of all clients at once (`TRAINER_STRATEGIES`).
 """
 
 import functools
@@ -126,6 +127,15 @@ def _scan_unroll(unroll: int | bool | None, steps: int,
   return unroll if isinstance(unroll, bool) else max(1, min(unroll, steps))
 
 
+def _client_schedule(valid: chex.Array, key: chex.PRNGKey, *, epochs: int,
+                     batch_size: int) -> tuple[chex.Array, chex.Array, chex.Array]:
+  """One client's sample indices and validity `(E * S, B)` (`batch_schedule`) and
+  step keys `(E * S,)` (`_step_keys`), both drawn from `key`."""
+  order_key, step_key = jax.random.split(key)
+  index, real = batch_schedule(order_key, valid, epochs, batch_size)
+  return index, real, _step_keys(step_key, epochs, _num_steps(valid.shape[0], batch_size))
+
+
 class ClientResult(NamedTuple):
   """Output of one client's local training."""
   params: types.Tree
@@ -146,9 +156,7 @@ def train_client(loss_fn: LossFn, optimizer: optax.GradientTransformation,
   through the training (`pflax.tune`) keeps each step's parameters and optimizer
   state, not its activations (same results).
   """
-  order_key, step_key = jax.random.split(key)
-  index, real = batch_schedule(order_key, valid, epochs, batch_size)
-  keys = _step_keys(step_key, epochs, _num_steps(valid.shape[0], batch_size))
+  index, real, keys = _client_schedule(valid, key, epochs=epochs, batch_size=batch_size)
   grad_fn = jax.value_and_grad(loss_fn)
 
   def step(carry, inputs):
@@ -171,11 +179,101 @@ def train_client(loss_fn: LossFn, optimizer: optax.GradientTransformation,
   return ClientResult(params, opt_state, mean_loss)
 
 
+PRECISIONS = ("float32", "bf16")
+"""Compute precisions of local training (`with_precision`)."""
+
+
+def _to_bf16(a: chex.Array) -> chex.Array:
+  return a.astype(jnp.bfloat16) if jnp.issubdtype(a.dtype, jnp.floating) else a
+
+
+def with_precision(loss_fn: LossFn, precision: str) -> LossFn:
+  """`loss_fn` computing in `precision`, its parameters and gradients float32.
+
+  "float32" returns `loss_fn` itself. "bf16" (mixed precision): the loss sees
+  the floating leaves of the parameters and the inputs `batch.x` cast to
+  bfloat16, so the model's activations and matmuls run in bfloat16, and
+  returns a float32 loss. The parameters and the optimizer state stay float32:
+  the cast's transpose turns the gradients back to float32, and the optimizer
+  updates float32 weights. The `context` (e.g. FedProx's global model) is not
+  cast. pflax's losses take the softmax in float32 (`losses.cross_entropy`).
+
+  Raises:
+    ValueError: for a precision not in `PRECISIONS`.
+  """
+  if precision not in PRECISIONS:
+    raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}.")
+  if precision == "float32":
+    return loss_fn
+
+  def bf16_loss(params, context, batch, key):
+    low = batch._replace(x=jax.tree.map(_to_bf16, batch.x))
+    return loss_fn(jax.tree.map(_to_bf16, params), context, low, key).astype(jnp.float32)
+  return bf16_loss
+
+
+def _stepwise(loss_fn: LossFn, optimizer: optax.GradientTransformation, *, epochs: int,
+              batch_size: int, unroll: int | bool | None = None
+              ) -> Callable[..., ClientResult]:
+  """All clients' local training as one scan over steps of the vmapped step.
+
+  The stacked form of `train_client` (same schedule, keys and arithmetic per
+  client; results equal its vmap): every client's schedule is drawn first,
+  its batches are gathered once before the loop into `(E * S, M, B, ...)`, and
+  a `lax.scan` over the E * S steps applies `jax.vmap` of the step, the
+  layout of a plain vmap of `jax.grad` over pre-batched data. Inside the
+  vmapped `train_client` each step instead gathers every client's batch by
+  its own indices (two batched gathers and an index concatenation per step,
+  where this program slices one step of the laid-out batches). The batches
+  take `E * ceil(L / B) * B / L` times the memory of `x`.
+  """
+  grad_fn = jax.vmap(jax.value_and_grad(loss_fn))
+  update = jax.vmap(optimizer.update)
+
+  def keep(active, new, old):
+    where = lambda a, b: jnp.where(active.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
+    return jax.tree.map(where, new, old)
+
+  def step(carry, inputs):
+    params, opt_state = carry
+    batch, k, context = inputs
+    active = jnp.any(batch.mask, axis=1)
+    loss, grads = grad_fn(params, context, batch, k)
+    updates, new_opt_state = update(grads, opt_state, params)
+    new = (optax.apply_updates(params, updates), new_opt_state)
+    return keep(active, new, (params, opt_state)), (jnp.where(active, loss, 0.0), active)
+
+  def train(params, opt_state, context, x, y, valid, keys):
+    schedule = functools.partial(_client_schedule, epochs=epochs, batch_size=batch_size)
+    index, real, step_keys = jax.vmap(schedule)(valid, keys)
+    take = jax.vmap(lambda a, i: a[i])  # (M, L, ...) by (M, E*S, B) -> (M, E*S, B, ...)
+    steps_first = lambda a: jnp.moveaxis(a, 1, 0)
+    batches = Batch(steps_first(take(x, index)), steps_first(take(y, index)),
+                    steps_first(real))
+    first_client = lambda tree: jax.tree.map(lambda a: a[0], tree)
+    convolutional = lambda: _has_convolution(
+        loss_fn, first_client(params), first_client(context),
+        first_client(first_client(batches)), step_keys[0, 0])
+    body = lambda carry, inputs: step(carry, (*inputs, context))
+    (params, opt_state), (losses, active) = jax.lax.scan(
+        body, (params, opt_state), (batches, steps_first(step_keys)),
+        unroll=_scan_unroll(unroll, index.shape[1], convolutional))
+    losses, active = losses.T, active.T  # (M, E * S), the reductions of the vmap
+    mean_loss = jnp.sum(losses, axis=1) / jnp.maximum(jnp.sum(active, axis=1), 1)
+    return ClientResult(params, opt_state, mean_loss)
+
+  return train
+
+
+TRAINER_STRATEGIES = mapping.STRATEGIES + ("steps",)
+"""`make_trainer`'s strategies: `pflax.train.STRATEGIES` and "steps" (`_stepwise`)."""
+
+
 def make_trainer(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
                  epochs: int, batch_size: int, strategy: str = "auto",
                  unroll: int | bool | None = None, chunk_size: int | None = None,
-                 memory_budget: int | None = None,
-                 threads: int | None = None) -> Callable[..., ClientResult]:
+                 memory_budget: int | None = None, threads: int | None = None,
+                 precision: str = "float32") -> Callable[..., ClientResult]:
   """Builds the local-training function of a round; build once, call every round.
 
   Args:
@@ -184,7 +282,11 @@ def make_trainer(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
     epochs: local epochs E.
     batch_size: mini-batch size B.
     strategy: how clients are mapped: "auto" (vmap on accelerators, loop on
-      CPU), "vmap", "loop" or "map".
+      CPU), "vmap", "loop" or "map" (`map_clients`), or "steps": one scan
+      over the local steps of all clients, batches laid out before it (the
+      layout of a plain vmap of `jax.grad`; see `_stepwise`), in chunks of
+      `chunk_size` clients if given. Every strategy gives the same results;
+      "steps" gives bit for bit those of "vmap" on CPU.
     unroll: `lax.scan` unroll factor over the E * S local steps; True
       unrolls all of them. None (default) unrolls all of them on XLA-CPU when
       E * S <= 64 and the step computes a convolution (`_has_convolution`),
@@ -195,7 +297,7 @@ def make_trainer(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
       Unrolling costs compile time, about 0.18 s per step, and speeds up only
       convolutions: the digits MLP's 35 steps compiled in 5.5 s unrolled and
       1.4 s rolled, and ran 51 against 32 ms per round of 20 clients.
-    chunk_size: clients per chunk for the "map" strategy.
+    chunk_size: clients per chunk for the "map" and "steps" strategies.
     memory_budget: bytes for the clients training at once, for strategies
       "map" and "auto" instead of `chunk_size`: at the first call with new
       shapes, one client's memory is measured (`bytes_per_client`, one extra
@@ -206,6 +308,8 @@ def make_trainer(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
       (default): no budget.
     threads: worker threads of the "loop" strategy (None: one per CPU core
       available, `default_threads()`).
+    precision: "float32" or "bf16", bfloat16 activations and matmuls with
+      float32 parameters and optimizer state (`with_precision`).
 
   Returns:
     `train(params, opt_state, context, x, y, valid, keys) -> ClientResult`, all
@@ -215,6 +319,18 @@ def make_trainer(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
   if epochs < 1 or batch_size < 1:
     raise ValueError(f"epochs and batch_size must be >= 1, got {epochs}, {batch_size}.")
   mapping.check_threads(threads)
+  loss_fn = with_precision(loss_fn, precision)
+  if strategy == "steps":
+    if memory_budget is not None:
+      raise ValueError("memory_budget needs strategy 'auto' or 'map', got 'steps'; "
+                       "give chunk_size instead.")
+    stepwise = _stepwise(loss_fn, optimizer, epochs=epochs, batch_size=batch_size,
+                         unroll=unroll)
+    if chunk_size is None:
+      return jax.jit(stepwise)
+    return jax.jit(functools.partial(mapping.map_chunks, jax.jit(stepwise), chunk_size))
+  if strategy not in TRAINER_STRATEGIES:
+    raise ValueError(f"strategy must be one of {TRAINER_STRATEGIES}, got {strategy!r}.")
   one = functools.partial(train_client, loss_fn, optimizer, epochs=epochs,
                           batch_size=batch_size, unroll=unroll)
   if memory_budget is None:

@@ -1,0 +1,441 @@
+"""One GPU benchmark: local training, aggregators, the main job, a leaderboard slice.
+
+Writes `benchmarks/results/gpu.md` (or `--out`): the device, its driver, the
+versions of jax, jaxlib, flax and torch, and four sections, every time measured
+in this run, every ratio against a baseline measured in the same run:
+
+  training      samples/s of one round of local training (100 samples per
+                client, batches of 10, one epoch of SGD at lr 0.01), for the
+                MNIST CNN and the MLP at M = 20, 100 and 1,000 clients:
+                  plain vmap   the reference (`plain_vmap`): stacked
+                               parameters, batches laid out `(S, M, B, ...)`
+                               beforehand, `lax.scan` over the S steps of
+                               `jax.vmap(jax.grad(loss))`, SGD by `tree.map`;
+                  pflax vmap   `make_trainer(strategy="vmap")`, today's trainer
+                               on accelerators (per-client order, masks, keys);
+                  pflax steps  `make_trainer(strategy="steps")`, the candidate:
+                               the same results, batches gathered before the loop;
+                  pflax steps bf16  the same with `precision="bf16"`;
+                  pflax auto   the default strategy, where it is not "vmap" (CPU);
+                  fused        the ceiling: one model on batches of M x B;
+                  torch        a PFLlib-style PyTorch loop (CUDA if available),
+                               or "torch not installed".
+                Each is timed as the median round after a compiling first one.
+  aggregators   `benchmarks/aggregators.py`'s aggregators on its CIFAR CNN,
+                against a device-to-device copy of the same stacked parameters
+                (`jax.device_put(..., may_alias=False)`), M = 100 and 1,000.
+  main job      `pflax-run` (digits, 8 algorithms, 40 rounds) in fresh
+                processes: with `--no-compilation-cache`, then twice with an
+                empty cache directory of its own (the first run fills it, the
+                second finds it warm).
+  leaderboard   `benchmarks/leaderboard.py --slice --json FILE` (PFLlib's
+                algorithms, 3 seeds, 100 rounds, both settings) and its
+                projection of the whole leaderboard at 2,000 rounds.
+
+`--quick` runs every section at tiny sizes (M = 2, 8 samples, the main job 1
+round of one algorithm on 4 clients) in a minute or two on a CPU: a smoke test,
+which CI runs; its numbers say nothing about a GPU.
+
+Usage:
+  python benchmarks/gpu.py                                # on a GPU, < 8 minutes
+  python benchmarks/gpu.py --sections training --clients 20 100
+  python benchmarks/gpu.py --quick --out /tmp/gpu_quick.md
+"""
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import pathlib
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing pflax
+
+from pflax import losses  # pylint: disable=g-import-not-at-top,wrong-import-position
+from pflax import models  # pylint: disable=g-import-not-at-top,wrong-import-position
+from pflax import train  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+SAMPLES, BATCH, LR, CLASSES = 100, 10, 0.01, 10
+INPUT_SHAPES = {"cnn": (28, 28, 1), "mlp": (784,)}
+SECTIONS = ("training", "aggregators", "main", "leaderboard")
+BASELINE = "plain vmap"
+
+
+class Sizes:
+  """Sizes of a run: full (a GPU) or `--quick` (a smoke run on a CPU)."""
+
+  def __init__(self, quick: bool, clients: list[int] | None):
+    self.quick = quick
+    self.clients = clients or ([2] if quick else [20, 100, 1000])
+    self.samples, self.batch = (8, 4) if quick else (SAMPLES, BATCH)
+    self.min_seconds, self.max_rounds = (0.0, 1) if quick else (1.0, 20)
+    self.aggregator_clients = [4] if quick else [100, 1000]
+
+
+def _time_round(run_round: Callable[[], Any], min_seconds: float,
+                max_rounds: int) -> dict[str, float]:
+  """`{"round": median s, "compile": first round minus it}`: a first (compiling)
+  round, then rounds until `min_seconds` are timed (at least one, at most
+  `max_rounds`)."""
+  start = time.perf_counter()
+  jax.block_until_ready(run_round())
+  first = time.perf_counter() - start
+  times: list[float] = []
+  while not times or (sum(times) < min_seconds and len(times) < max_rounds):
+    start = time.perf_counter()
+    jax.block_until_ready(run_round())
+    times.append(time.perf_counter() - start)
+  steady = statistics.median(times)
+  return {"round": steady, "compile": max(first - steady, 0.0)}
+
+
+def _model(name: str) -> Any:
+  return models.CNN(CLASSES) if name == "cnn" else models.MLP(CLASSES)
+
+
+def _data(name: str, m: int, samples: int) -> tuple[np.ndarray, np.ndarray]:
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(m, samples, *INPUT_SHAPES[name])).astype(np.float32)
+  y = rng.integers(0, CLASSES, size=(m, samples)).astype(np.int32)
+  return x, y
+
+
+def _mean_cross_entropy(model: Any) -> Callable[..., jax.Array]:
+  def loss(params, bx, by):
+    logits = model.apply({"params": params}, bx)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, by).mean()
+  return loss
+
+
+def plain_vmap(model: Any, lr: float) -> Callable[..., Any]:
+  """The reference: `epoch(stacked_params, xs, ys)` with batches `(S, M, B, ...)`,
+  a `lax.scan` over the S steps of `jax.vmap(jax.grad(loss))` and SGD."""
+  grads = jax.vmap(jax.grad(_mean_cross_entropy(model)))
+
+  def step(params, batch):
+    g = grads(params, *batch)
+    return jax.tree.map(lambda p, d: p - lr * d, params, g), None
+
+  return jax.jit(lambda params, xs, ys: jax.lax.scan(step, params, (xs, ys))[0])
+
+
+def fused(model: Any, lr: float) -> Callable[..., Any]:
+  """The ceiling: one model, `epoch(params, xs, ys)` on batches `(S, M * B, ...)`."""
+  grad = jax.grad(_mean_cross_entropy(model))
+
+  def step(params, batch):
+    return jax.tree.map(lambda p, d: p - lr * d, params, grad(params, *batch)), None
+
+  return jax.jit(lambda params, xs, ys: jax.lax.scan(step, params, (xs, ys))[0])
+
+
+def _steps_first(a: np.ndarray, batch: int) -> jax.Array:
+  """`(M, N, ...)` -> `(N / B, M, B, ...)`: the batches of every step, laid out."""
+  m, n = a.shape[:2]
+  return jnp.asarray(a.reshape(m, n // batch, batch, *a.shape[2:]).swapaxes(0, 1))
+
+
+def jax_round(impl: str, model_name: str, m: int, sizes: Sizes) -> Callable[[], Any]:
+  """One round of `impl` (any but "torch"), ready to call: inputs built, nothing
+  compiled."""
+  model = _model(model_name)
+  x, y = _data(model_name, m, sizes.samples)
+  one = jax.jit(model.init)(jax.random.key(0),
+                            jnp.zeros((1, *INPUT_SHAPES[model_name])))["params"]
+  stacked = jax.tree.map(lambda a: jnp.broadcast_to(a, (m, *a.shape)), one)
+  if impl == BASELINE:
+    epoch, xs, ys = plain_vmap(model, LR), _steps_first(x, sizes.batch), _steps_first(
+        y, sizes.batch)
+    return lambda: epoch(stacked, xs, ys)
+  if impl == "fused":
+    merge = lambda a: a.reshape(a.shape[0], m * sizes.batch, *a.shape[3:])
+    epoch = fused(model, LR)
+    xs, ys = merge(_steps_first(x, sizes.batch)), merge(_steps_first(y, sizes.batch))
+    return lambda: epoch(one, xs, ys)
+
+  def loss_fn(params, context, batch, key):
+    del context, key
+    return losses.cross_entropy(model.apply({"params": params}, batch.x), batch.y,
+                                batch.mask)
+
+  words = impl.split()  # "pflax <strategy> [bf16]"
+  optimizer = optax.sgd(LR)
+  trainer = train.make_trainer(loss_fn, optimizer, epochs=1, batch_size=sizes.batch,
+                               strategy=words[1],
+                               precision="bf16" if "bf16" in words else "float32")
+  opt_state = train.init_opt_state(optimizer, stacked)
+  xs, ys = jnp.asarray(x), jnp.asarray(y)
+  valid = jnp.ones((m, sizes.samples), bool)
+  keys = jax.random.split(jax.random.key(1), m)
+  return lambda: trainer(stacked, opt_state, None, xs, ys, valid, keys)
+
+
+def torch_round(model_name: str, m: int, sizes: Sizes) -> Callable[[], Any] | None:
+  """A PFLlib-style PyTorch round (per client: copy the global weights, then per
+  mini-batch `zero_grad`, `backward`, `step`); None without torch."""
+  try:
+    import torch  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  except ImportError:
+    return None
+  from torch import nn  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  device = "cuda" if torch.cuda.is_available() else "cpu"
+  torch.manual_seed(0)
+  if model_name == "cnn":  # PFLlib's FedAvgCNN(in_features=1, dim=1024)
+    make = lambda: nn.Sequential(
+        nn.Conv2d(1, 32, 5), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+        nn.Linear(1024, 512), nn.ReLU(), nn.Linear(512, CLASSES)).to(device)
+    shape = (1, 28, 28)
+  else:
+    make = lambda: nn.Sequential(nn.Linear(784, 200), nn.ReLU(), nn.Linear(200, 200),
+                                 nn.ReLU(), nn.Linear(200, CLASSES)).to(device)
+    shape = (784,)
+  rng = np.random.default_rng(0)
+  xs = torch.from_numpy(rng.normal(size=(m, sizes.samples, *shape)).astype(
+      np.float32)).to(device)
+  ys = torch.from_numpy(rng.integers(0, CLASSES, size=(m, sizes.samples))).to(device)
+  global_model, model = make(), make()
+  optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+  criterion = nn.CrossEntropyLoss()
+
+  def run_round():
+    for i in range(m):
+      model.load_state_dict(global_model.state_dict())
+      model.train()
+      order = torch.randperm(sizes.samples, device=device)
+      for start in range(0, sizes.samples, sizes.batch):
+        idx = order[start:start + sizes.batch]
+        optimizer.zero_grad()
+        criterion(model(xs[i][idx]), ys[i][idx]).backward()
+        optimizer.step()
+    if device == "cuda":
+      torch.cuda.synchronize()
+
+  return run_round
+
+
+def training_impls() -> tuple[str, ...]:
+  """The implementations of the training section, the baseline first."""
+  impls = [BASELINE, "pflax vmap", "pflax steps", "pflax steps bf16"]
+  if train.default_strategy() != "vmap":
+    impls.append("pflax auto")
+  return (*impls, "fused", "torch")
+
+
+def training_rows(sizes: Sizes, model_names: tuple[str, ...] = ("cnn", "mlp"),
+                  impls: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
+  """Rows `{model, M, impl, round, compile}` (round None: not measured, with a
+  `note`)."""
+  rows = []
+  for model_name in model_names:
+    for m in sizes.clients:
+      for impl in impls or training_impls():
+        row = {"model": model_name, "M": m, "impl": impl}
+        run_round = (torch_round(model_name, m, sizes) if impl == "torch"
+                     else jax_round(impl, model_name, m, sizes))
+        if run_round is None:
+          rows.append({**row, "round": None, "note": "torch not installed"})
+          continue
+        rows.append({**row, **_time_round(run_round, sizes.min_seconds,
+                                          sizes.max_rounds)})
+        print(f"training {model_name} M={m} {impl}: "
+              f"{m * sizes.samples / rows[-1]['round']:,.0f} samples/s", file=sys.stderr)
+        jax.clear_caches()
+  return rows
+
+
+def training_markdown(rows: list[dict[str, Any]], samples: int) -> str:
+  """Samples/s per row, its ratio to the plain vmap of the same model and M, and
+  its share of the fused ceiling."""
+  round_of = {(r["model"], r["M"], r["impl"]): r["round"] for r in rows}
+  lines = [f"| model | M | implementation | samples/s | / {BASELINE} | share of fused "
+           "| compile s |", "|---|---:|---|---:|---:|---:|---:|"]
+  for r in rows:
+    if r["round"] is None:
+      lines.append(f"| {r['model']} | {r['M']} | {r['impl']} | {r['note']} | | | |")
+      continue
+    base = round_of.get((r["model"], r["M"], BASELINE))
+    ceiling = round_of.get((r["model"], r["M"], "fused"))
+    ratio = f"{base / r['round']:.2f}x" if base else ""
+    share = f"{ceiling / r['round']:.2f}" if ceiling else ""
+    lines.append(f"| {r['model']} | {r['M']} | {r['impl']} | "
+                 f"{r['M'] * samples / r['round']:,.0f} | {ratio} | {share} | "
+                 f"{r['compile']:.1f} |")
+  return "\n".join(lines)
+
+
+def _load_benchmark(name: str) -> Any:
+  spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def aggregator_markdown(sizes: Sizes) -> str:
+  """Each aggregator's median time against a device-to-device copy of the same
+  stacked parameters (`aggregators.py`'s model and aggregators)."""
+  jax.devices()  # the backend first: aggregators.py's --quick flags must not apply
+  agg = _load_benchmark("aggregators")
+  model, classes = (agg.TINY, 10) if sizes.quick else (agg.FULL, 10)
+  repeats = 3 if sizes.quick else 7
+  lines = ["| aggregator | M | ms | / copy |", "|---|---:|---:|---:|"]
+  for m in sizes.aggregator_clients:
+    kp, kc, kk = jax.random.split(jax.random.key(0), 3)
+    params, step = jax.jit(lambda k, m=m: agg.stacked_params(k, model, m, classes,
+                                                             copies=2))(kp)
+    received = jax.jit(lambda p, d: jax.tree.map(lambda x, s: x - 0.1 * s, p, d))(
+        params, step)
+    counts = jax.random.randint(kc, (m, classes), 0, 50)
+    n = jnp.sum(counts, axis=1).astype(jnp.float32)
+    state = agg.aggregate.fedrema_init(m)
+    copy = lambda p: jax.device_put(p, may_alias=False)
+    fns = {"device-to-device copy": (copy, (params,))}
+    fns.update({name: (jax.jit(fn), (params, received, counts, n, state, kk))
+                for name, fn in agg.aggregators(model).items()})
+    ms = agg.median_ms(fns, repeats)
+    base = ms["device-to-device copy"]
+    lines += [f"| {name} | {m} | {t:.2f} | {t / base:.1f}x |" for name, t in ms.items()]
+    jax.clear_caches()
+  return "\n".join(lines)
+
+
+def _pflax_run(args: list[str], env: dict[str, str]) -> float:
+  """Seconds of one `pflax-run` in a fresh process."""
+  start = time.perf_counter()
+  out = subprocess.run([sys.executable, "-m", "pflax", *args],
+                       capture_output=True, text=True, check=False, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": str(ROOT), **env})
+  if out.returncode != 0:
+    raise RuntimeError(f"pflax-run {' '.join(args)} failed:\n{out.stderr[-3000:]}")
+  return time.perf_counter() - start
+
+
+def main_job_markdown(sizes: Sizes) -> str:
+  """The main job cold (`--no-compilation-cache`), filling an empty cache, and
+  with that cache warm."""
+  job = (["--algorithms", "fedavg", "--rounds", "1", "--clients", "4",
+          "--local-epochs", "1"] if sizes.quick else [])
+  with tempfile.TemporaryDirectory() as tmp:
+    common = [*job, "--no-progress", "--out", os.path.join(tmp, "out")]
+    cache = {"PFLAX_CACHE_DIR": os.path.join(tmp, "cache")}
+    cold = _pflax_run([*common, "--no-compilation-cache"], {})
+    filling = _pflax_run(common, cache)
+    warm = _pflax_run(common, cache)
+  shown = " ".join(job) or "(the defaults)"
+  return "\n".join([
+      f"`pflax-run {shown}`, seconds of the whole process:", "",
+      "| run | s |", "|---|---:|",
+      f"| cold, `--no-compilation-cache` | {cold:.1f} |",
+      f"| cold, filling an empty compilation cache | {filling:.1f} |",
+      f"| warm compilation cache | {warm:.1f} |"])
+
+
+def leaderboard_markdown(sizes: Sizes) -> str:
+  """`benchmarks/leaderboard.py --slice`'s rows and projection, or why not."""
+  script = ROOT / "benchmarks" / "leaderboard.py"
+  if not script.exists():
+    return "leaderboard.py not found: not measured."
+  with tempfile.TemporaryDirectory() as tmp:
+    path = os.path.join(tmp, "slice.json")
+    cmd = [sys.executable, str(script), "--slice", "--json", path]
+    out = subprocess.run(cmd + (["--quick"] if sizes.quick else []), capture_output=True,
+                         text=True, check=False, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if out.returncode != 0:
+      return f"leaderboard.py failed (exit {out.returncode}):\n\n```\n{out.stderr[-2000:]}\n```"
+    result = json.loads(pathlib.Path(path).read_text())
+  lines = ["| algorithm | setting | s / round |", "|---|---|---:|"]
+  lines += [f"| {r['algorithm']} | {r['setting']} | {r['seconds_per_round']:.3f} |"
+            for r in result["rows"]]
+  lines += ["", f"Projected whole leaderboard at 2,000 rounds: "
+            f"{result['projected_hours']:.2f} hours."]
+  return "\n".join(lines)
+
+
+def _versions() -> list[str]:
+  import flax  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  import jaxlib  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  device = jax.devices()[0]
+  driver = "none"
+  if shutil.which("nvidia-smi"):
+    query = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
+                            "--format=csv,noheader"], capture_output=True, text=True,
+                           check=False)
+    driver = query.stdout.strip().splitlines()[0] if query.stdout.strip() else "unknown"
+  try:
+    import torch  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+    torch_version = torch.__version__
+  except ImportError:
+    torch_version = "not installed"
+  return [f"- device: {device.device_kind} ({jax.default_backend()}, "
+          f"{jax.device_count()} device(s)); host: {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} CPUs",
+          f"- driver: {driver}",
+          f"- jax {jax.__version__}, jaxlib {jaxlib.__version__}, flax {flax.__version__}, "
+          f"torch {torch_version}"]
+
+
+def report(sizes: Sizes, sections: tuple[str, ...]) -> str:
+  """The whole markdown report of the chosen sections."""
+  started = time.perf_counter()
+  parts = ["# pflax on one device" + (" (--quick: a smoke run)" if sizes.quick else ""),
+           "", f"Measured {datetime.date.today().isoformat()}.", "", *_versions()]
+  if sizes.quick:
+    parts += ["", "`--quick` runs every section at tiny sizes to check that the "
+              "benchmark runs: its numbers measure no target, and on a CPU they say "
+              "nothing about a GPU. The GPU numbers are unmeasured here."]
+  if "training" in sections:
+    rows = training_rows(sizes)
+    parts += ["", "## Local training",
+              "", f"{sizes.samples} samples per client, batches of {sizes.batch}, one "
+              f"epoch of SGD; samples/s of the median round, ratios against the "
+              f"{BASELINE} of the same model and M.", "",
+              training_markdown(rows, sizes.samples)]
+  if "aggregators" in sections:
+    parts += ["", "## Aggregators against a device-to-device copy", "",
+              aggregator_markdown(sizes)]
+  if "main" in sections:
+    parts += ["", "## The main job", "", main_job_markdown(sizes)]
+  if "leaderboard" in sections:
+    parts += ["", "## PFLlib's leaderboard, a slice", "", leaderboard_markdown(sizes)]
+  parts += ["", f"The whole benchmark took {time.perf_counter() - started:.0f} s."]
+  return "\n".join(parts) + "\n"
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true",
+                      help="tiny sizes, about a minute on a CPU (a smoke run)")
+  parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
+  parser.add_argument("--clients", type=int, nargs="+", default=None,
+                      help="M of the training section (default: 20 100 1000)")
+  parser.add_argument("--out", default=None,
+                      help="the markdown file to write (default: benchmarks/results/"
+                      "gpu.md, with --quick gpu_quick_cpu.md)")
+  args = parser.parse_args()
+  if args.out is None:
+    args.out = ROOT / "benchmarks" / "results" / ("gpu_quick_cpu.md" if args.quick
+                                                  else "gpu.md")
+  text = report(Sizes(args.quick, args.clients), tuple(args.sections))
+  print(text)
+  pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+  pathlib.Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+  main()
