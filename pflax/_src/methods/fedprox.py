@@ -39,7 +39,8 @@ def fedprox(model: nn.Module, optimizer: optax.GradientTransformation, *,
 
   return fedavg.global_algorithm(
       optimizer, loss, robust_lib.global_aggregator(robust, trim_fraction, max_share),
-      client_context=fedavg.broadcast_global, clip_norm=clip_norm)
+      client_context=fedavg.broadcast_global, clip_norm=clip_norm,
+      uploads=alg.everything if robust == "none" else None)
 
 
 METHOD = methods.Method(
