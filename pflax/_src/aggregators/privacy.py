@@ -87,7 +87,8 @@ def noisy_sum(clipped: types.Stacked, key: chex.PRNGKey, clip_norm: chex.Numeric
   already clipped updates (one independent normal per coordinate, the leaves
   drawn from `fold_in(key, leaf index)`)."""
   leaves, treedef = jax.tree.flatten(clipped)
-  std = jnp.asarray(noise_multiplier, jnp.float32) * clip_norm
+  z = jnp.asarray(noise_multiplier, jnp.float32)
+  std = jnp.where(z == 0, 0.0, z * clip_norm)   # z = 0 with C = inf: no noise
   noised = [jnp.sum(x, axis=0) + std * jax.random.normal(
       jax.random.fold_in(key, i), x.shape[1:], jnp.float32)
             for i, x in enumerate(leaves)]
