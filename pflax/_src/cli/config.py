@@ -11,6 +11,7 @@ from typing import Any
 
 from pflax._src.cli import messages
 from pflax._src.cli import parser
+from pflax._src.cli import privacy
 from pflax._src.methods import registry
 from pflax._src.simulation import presets
 from pflax._src.simulation import simulate
@@ -235,7 +236,8 @@ def invocation_from_args(args: argparse.Namespace, given: Collection[str]
     runs.update(_saved_runs(saved, given))
   flags = {f: getattr(args, f) for f in parser.CONFIG_FIELDS
            if f in given or f not in base}
-  config = _checked_config({**base, **flags}, runs["algorithms"], args.set)
+  config = privacy.planned(
+      _checked_config({**base, **flags}, runs["algorithms"], args.set))
   return Invocation(
       config=config, algorithms=tuple(runs["algorithms"]), seeds=tuple(runs["seeds"]),
       sweep=runs["sweep"], values=tuple(runs["values"]), devices=runs["devices"],
@@ -265,4 +267,4 @@ def config_dict(invocation: Invocation) -> dict[str, Any]:
   out["devices"] = invocation.devices
   if invocation.sweep:
     out["sweep"] = {invocation.sweep: list(invocation.values)}
-  return out
+  return privacy.recorded(out)

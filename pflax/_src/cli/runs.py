@@ -1,6 +1,7 @@
 """`pflax-run`'s simulated runs: each seed's federation, every algorithm's seeds
 (and `--sweep` values) as sweeps, or `--tune`."""
 
+import dataclasses
 import os
 import sys
 from collections.abc import Sequence
@@ -11,6 +12,7 @@ import numpy as np
 
 from pflax._src.cli import config as config_lib
 from pflax._src.cli import messages
+from pflax._src.cli import privacy
 from pflax._src.cli import report
 from pflax._src.cli import runtime
 from pflax._src.data import datasets
@@ -91,7 +93,14 @@ def simulate_all(invocation: config_lib.Invocation,
   for name in invocation.algorithms:
     for seeds in seed_groups:
       runs += _sweep(name, invocation, seeds, setups, mesh)
-  return runs
+  spent = privacy.spent(invocation.config)
+  if spent is None:
+    return runs
+  print(f"client-level DP: eps = {spent[-1]:.4g} spent (delta = "
+        f"{invocation.config.dp_delta:g})", flush=True)
+  return [dataclasses.replace(run, history=tuple(
+      dataclasses.replace(rec, epsilon=e) for rec, e in zip(run.history, spent)))
+          for run in runs]
 
 
 def tune(invocation: config_lib.Invocation, setup: simulate.Setup) -> list[Any]:

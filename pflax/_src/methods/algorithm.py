@@ -120,6 +120,11 @@ class Algorithm(NamedTuple):
       stays `(M,)`. `loss`, `optimizer`, `keep_opt_state` and `unroll` are
       then architecture 0's: architecture g trains with
       `architectures.members[g]`.
+    uploads: what a client uploads for the server to average:
+      `uploads(trained) -> one static bool per leaf` of the `(M, ...)` trained
+      tree, each such leaf's start being the broadcast global; None when the
+      method declares none (client-level DP, `pflax.privacy.private`, refuses
+      it).
   """
   init: Callable[[types.Stacked, chex.Array, chex.PRNGKey], State]
   client_models: Callable[[State], types.Stacked]
@@ -132,6 +137,19 @@ class Algorithm(NamedTuple):
   warmup: Warmup | None = None
   unroll: int | bool | None = None
   architectures: Architectures | None = None
+  uploads: Callable[[types.Stacked], list[bool]] | None = None
+
+
+def everything(trained: types.Stacked) -> list[bool]:
+  """`Algorithm.uploads` of a method whose clients upload their whole model."""
+  return [True] * len(jax.tree.leaves(trained))
+
+
+def model_named(name: str) -> Callable[[types.Stacked], list[bool]]:
+  """`Algorithm.uploads` of a method whose clients upload the model `name` of
+  a dict of models (Ditto's and APFL's global model `w`)."""
+  return lambda trained: [path[0].key == name for path, _ in
+                          jax.tree_util.tree_leaves_with_path(trained)]
 
 
 def logits(model: nn.Module, params: types.Tree, x: chex.Array) -> chex.Array:

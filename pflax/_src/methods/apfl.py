@@ -125,7 +125,7 @@ def apfl(model: nn.Module, optimizer: optax.GradientTransformation,
   return alg.Algorithm(
       init=init, client_models=client_models, loss=loss,
       optimizer=_optimizer(optimizer, adapt_alpha, alpha_lr),
-      server_update=server_update, evaluate=evaluate)
+      server_update=server_update, evaluate=evaluate, uploads=alg.model_named("w"))
 
 
 METHOD = methods.Method(

@@ -32,11 +32,14 @@ def broadcast_global(state: GlobalModel) -> types.Stacked:
 def global_algorithm(optimizer: optax.GradientTransformation, loss: Callable,
                      aggregate: Callable[..., types.Tree],
                      client_context: Callable = alg.no_context,
-                     clip_norm: float | None = None) -> alg.Algorithm:
+                     clip_norm: float | None = None,
+                     uploads: Callable | None = None) -> alg.Algorithm:
   """Every client trains the global model; the server aggregates the uploads
   (each update first clipped to norm `clip_norm`, if given) with
   `aggregate(trained, num_samples, *, mask, reference)`, `reference` the global
-  model the clients started from."""
+  model the clients started from; `uploads` as in `Algorithm` (for a mean of the
+  uploads: `alg.everything`)."""
+
   def server_update(state, trained, mask, key):
     del key
     if clip_norm:
@@ -52,7 +55,8 @@ def global_algorithm(optimizer: optax.GradientTransformation, loss: Callable,
       init=lambda params, class_counts, key: GlobalModel(
           common.first(params), common.sample_counts(class_counts)),
       client_models=broadcast_global, loss=loss, optimizer=optimizer,
-      server_update=server_update, evaluate=evaluate, client_context=client_context)
+      server_update=server_update, evaluate=evaluate, client_context=client_context,
+      uploads=uploads)
 
 
 ROBUST = ("none", "median", "trimmed_mean", "krum", "multi_krum", "bulyan",
@@ -149,7 +153,7 @@ def fedavg(model: nn.Module, optimizer: optax.GradientTransformation, *,
   return global_algorithm(
       optimizer, alg.cross_entropy_loss(model),
       global_aggregator(robust, trim_fraction, max_share, num_byzantine, radius),
-      clip_norm=clip_norm)
+      clip_norm=clip_norm, uploads=alg.everything if robust == "none" else None)
 
 
 METHOD = methods.Method(

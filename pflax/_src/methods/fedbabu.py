@@ -97,7 +97,10 @@ def fedbabu(model: nn.Module, optimizer: optax.GradientTransformation, *,
   return alg.Algorithm(
       init=init, client_models=client_models, loss=loss,
       optimizer=frozen_head(optimizer, head),
-      server_update=server_update, evaluate=fedavg_ft.evaluate)
+      server_update=server_update, evaluate=fedavg_ft.evaluate,
+      uploads=lambda trained: (  # leaves of "v" first: dict keys are sorted
+          [False] * len(jax.tree.leaves(trained["v"]))
+          + [not f for f in tree_lib.selection(trained["w"], head)]))
 
 
 METHOD = methods.Method(

@@ -103,7 +103,8 @@ def fedper(model: nn.Module, optimizer: optax.GradientTransformation,
       init=init, client_models=client_models,
       loss=alg.cross_entropy_loss(model), optimizer=optimizer,
       server_update=server_update,
-      evaluate=lambda state: {"personalized": client_models(state)})
+      evaluate=lambda state: {"personalized": client_models(state)},
+      uploads=lambda trained: [not f for f in tree_lib.selection(trained, personal)])
 
 
 METHOD = methods.Method(

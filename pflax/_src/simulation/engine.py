@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from pflax._src.aggregators import privacy as privacy_lib
 from pflax._src.aggregators import robust as robust_lib
 from pflax._src.core import prng
 from pflax._src.core import tree as tree_lib
@@ -297,6 +298,10 @@ class Plan:
     fault_kind, fault_scale: what faulty clients do (`FAULT_KINDS`), and the
       factor of "scaled" and "inflated_counts" (None: `DEFAULT_FAULT_SCALES`).
     outlier_factor: the health rule's factor (`update_outliers`); None disables.
+    poisson: client-level DP's sampling: each client takes part independently
+      with probability `participation` (`pflax.privacy.poisson_sample`, from
+      `fold_in(sample_key, 0)`), and every client trains (a static shape) while
+      only the sampled ones are aggregated.
     local_epochs, batch_size: local training.
     strategy: the client mapping, resolved (`pflax.train.STRATEGIES`).
     output: selector of the models' output layer (`pflax.models.Parts`), whose
@@ -315,6 +320,7 @@ class Plan:
   fault_scale: float | None = None
   outlier_factor: float | None = OUTLIER_FACTOR
   precision: str = "float32"
+  poisson: bool = False
 
   @property
   def scale(self) -> float:
@@ -431,8 +437,13 @@ def _round_inputs(plan: Plan, groups: groups_lib.Groups, carry: Carry,
   """Round `t`'s participants, faulty clients and training inputs, for one run."""
   sample_key, train_key, server_key = round_keys(run_keys(seed)[2], t)
   m = sum(f.x.shape[0] for f in feds)
-  chosen = round_participants(sample_key, plan.num_clients, plan.participation)
-  took_part = jnp.zeros(m, bool).at[chosen].set(True)
+  if plan.poisson:
+    chosen = jnp.arange(plan.num_clients)
+    took_part = jnp.zeros(m, bool).at[:plan.num_clients].set(privacy_lib.poisson_sample(
+        jax.random.fold_in(sample_key, 0), plan.num_clients, plan.participation))
+  else:
+    chosen = round_participants(sample_key, plan.num_clients, plan.participation)
+    took_part = jnp.zeros(m, bool).at[chosen].set(True)
   count = num_faulty(plan.fault_fraction, chosen.shape[0])
   if plan.fault_kind == "inflated_counts":
     faulty = took_part & lying_clients(seed, plan.num_clients, m, plan.fault_fraction)

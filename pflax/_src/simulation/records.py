@@ -77,12 +77,15 @@ class RoundRecord:
       (non-finite uploads, the injected faults among them).
     faulty_clients: the injected faults (`ExperimentConfig.faulty_clients`).
     accuracies: `{kind: Accuracy}` in rounds that were evaluated, else empty.
+    epsilon: under client-level DP, eps(delta) spent after this round
+      (docs/privacy.md); None (and absent from the JSON) otherwise.
   """
   round: int
   train_loss: float
   dropped_clients: tuple[int, ...] = ()
   faulty_clients: tuple[int, ...] = ()
   accuracies: Mapping[str, Accuracy] = dataclasses.field(default_factory=dict)
+  epsilon: float | None = None
 
   def accuracy(self, kind: str = "personalized") -> float | None:
     """The round's `kind` accuracy, None if not evaluated."""
@@ -96,6 +99,8 @@ class RoundRecord:
       out.update({f"{kind}_accuracy": acc.accuracy,
                   f"{kind}_client_mean": acc.client_mean,
                   f"{kind}_client_std": acc.client_std})
+    if self.epsilon is not None:
+      out["epsilon"] = self.epsilon
     return out
 
   @classmethod
@@ -106,7 +111,7 @@ class RoundRecord:
                                  d.get(f"{kind}_client_std", float("nan")))
                   for kind in alg.EVALUATED if f"{kind}_accuracy" in d}
     return cls(d["round"], d["train_loss"], tuple(d.get("dropped_clients", ())),
-               tuple(d.get("faulty_clients", ())), accuracies)
+               tuple(d.get("faulty_clients", ())), accuracies, d.get("epsilon"))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,6 +32,7 @@ from pflax._src.data import partition as partition_lib
 from pflax._src.data import pathological as pathological_lib
 from pflax._src.methods import algorithm as alg
 from pflax._src.methods import heterogeneous as heterogeneous_lib
+from pflax._src.methods import privacy as privacy_lib
 from pflax._src.methods import registry
 from pflax._src.simulation import checkpoint as checkpoint_lib
 from pflax._src.simulation import engine
@@ -113,6 +114,12 @@ class ExperimentConfig:
     hyperparameters: per algorithm, keyword arguments of its builder (the
       others keep the builder's defaults). Keys of `optimizers` and
       `hyperparameters` name algorithms (`check_algorithm_keys`).
+    dp_clip, dp_noise_multiplier: client-level DP (docs/privacy.md) when
+      `dp_clip` (C) is set: clients sampled by Poisson at rate
+      `participation` (q), the uploads privatized by `pflax.privacy.private`
+      with noise multiplier z, the outlier rule off.
+    dp_epsilon, dp_delta: the privacy budget (eps, delta) of `pflax-run`, which
+      calibrates `dp_noise_multiplier` to it, or stops at it.
   """
   dataset: str = "digits"
   data_dir: str | None = None
@@ -147,6 +154,10 @@ class ExperimentConfig:
       default_factory=registry.default_optimizers)
   hyperparameters: Mapping[str, Mapping[str, Any]] = dataclasses.field(
       default_factory=dict)
+  dp_clip: float | None = None
+  dp_noise_multiplier: float | None = None
+  dp_epsilon: float | None = None
+  dp_delta: float = 1e-5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -362,6 +373,7 @@ class _Build:
   hyperparameters: tuple[tuple[str, Any], ...]
   swept: str | None
   parts: parts_lib.Parts | None = None
+  dp: tuple[str, float, float, float] | None = None
 
   def member(self, model: nn.Module, value: Any) -> alg.Algorithm:
     """The algorithm of the clients of `model`."""
@@ -370,7 +382,11 @@ class _Build:
       (opt if self.swept == "lr" else kw)[self.swept] = value
     if self.parts is not None and model == self.model and _takes_parts(self.builder):
       kw.setdefault("parts", self.parts)   # heterogeneous members find their own
-    return self.builder(model, client_optimizer(**opt), **kw)
+    built = self.builder(model, client_optimizer(**opt), **kw)
+    if self.dp is None:
+      return built
+    name, clip, z, expected = self.dp
+    return privacy_lib.private(built, clip, z, expected, name)
 
   def algorithm(self, value: Any) -> alg.Algorithm:
     """The algorithm of all clients: over pflax's family of architectures
@@ -427,7 +443,8 @@ def _plan(algorithm: str | Builder, config: ExperimentConfig, setup: Setup,
   build = _Build(builder, setup.model, setup.num_classes, num_clients,
                  config.heterogeneous, config.family,
                  tuple(sorted(optimizer.items())),
-                 tuple(sorted(keywords.items())), swept, setup.parts)
+                 tuple(sorted(keywords.items())), swept, setup.parts,
+                 _dp(algorithm, config))
   if config.heterogeneous and not pflax_model:
     raise ValueError("heterogeneous=True trains pflax's family of architectures; "
                      f"it does not take a model of your own ({type(setup.model).__name__}).")
@@ -439,10 +456,22 @@ def _plan(algorithm: str | Builder, config: ExperimentConfig, setup: Setup,
                      participation=config.participation,
                      fault_fraction=config.faulty_clients,
                      fault_kind=config.fault_kind, fault_scale=config.fault_scale,
-                     outlier_factor=config.outlier_factor or None,
+                     outlier_factor=(None if config.dp_clip else
+                                     config.outlier_factor or None),
                      local_epochs=config.local_epochs, batch_size=config.batch_size,
                      strategy=strategy, output=setup.parts.output,
-                     precision=config.precision)
+                     precision=config.precision,
+                     poisson=bool(config.dp_clip))
+
+
+def _dp(algorithm: str | Builder, config: ExperimentConfig
+        ) -> tuple[str, float, float, float] | None:
+  """`_Build.dp`: `(name, C, z, q M)` under client-level DP, else None."""
+  if not config.dp_clip:
+    return None
+  return (_algorithm_name(algorithm), float(config.dp_clip),
+          float(config.dp_noise_multiplier or 0.0),
+          config.participation * config.clients)
 
 
 def _check_fits(name: str, algorithm: alg.Algorithm, setup: Setup) -> None:
@@ -489,6 +518,15 @@ def check_config(config: ExperimentConfig) -> None:
   require(0.0 < config.test_fraction < 1.0, "test_fraction", "in (0, 1)")
   require(config.test_split in TEST_SPLITS, "test_split", f"one of {TEST_SPLITS}")
   require(0.0 < config.participation <= 1.0, "participation", "in (0, 1]")
+  require(config.dp_clip is None or config.dp_clip > 0, "dp_clip", "> 0")
+  require(config.dp_noise_multiplier is None or config.dp_noise_multiplier >= 0,
+          "dp_noise_multiplier", ">= 0")
+  require(config.dp_epsilon is None or config.dp_epsilon > 0, "dp_epsilon", "> 0")
+  require(0 < config.dp_delta < 1, "dp_delta", "in (0, 1)")
+  require(not (config.dp_clip and config.faulty_clients), "faulty_clients",
+          "0 under client-level DP (dp_clip)")
+  require(not (config.dp_clip and config.heterogeneous), "heterogeneous",
+          "False under client-level DP (dp_clip)")
   require(0.0 <= config.faulty_clients < 1.0, "faulty_clients", "a fraction in [0, 1)")
   require(config.fault_kind in engine.FAULT_KINDS, "fault_kind",
           f"one of {engine.FAULT_KINDS}")
@@ -674,7 +712,10 @@ def check_algorithm(algorithm: str | Builder, config: ExperimentConfig) -> None:
   once with a placeholder model; nothing is compiled)."""
   check_algorithm_keys(config, [algorithm])
   builder, optimizer, keywords = _builder_arguments(algorithm, config)
-  builder(models.MLP(2), client_optimizer(**optimizer), **keywords)
+  built = builder(models.MLP(2), client_optimizer(**optimizer), **keywords)
+  dp = _dp(algorithm, config)
+  if dp is not None:
+    privacy_lib.private(built, *dp[1:], name=dp[0])
   check_byzantine_bound(algorithm, config)
 
 
