@@ -8,6 +8,10 @@ import jax
 
 from pflax._src.cli import config as config_lib
 from pflax._src.cli import messages
+from pflax._src.simulation import simulate
+
+MAX_FLOWER_TIMEOUT = 86_400.0
+"""The longest `--flower-timeout`: a day."""
 
 
 def check_run_flags(invocation: config_lib.Invocation) -> None:
@@ -65,9 +69,9 @@ def check_flower_flags(invocation: config_lib.Invocation) -> None:
     if used:
       raise messages.fail(f"{flag} is for simulations; --flower runs each seed as a "
                           "federation of its own")
-  if invocation.flower_timeout <= 0:
-    raise messages.fail(f"--flower-timeout must be > 0, got "
-                        f"{invocation.flower_timeout}")
+  if not 0 < invocation.flower_timeout <= MAX_FLOWER_TIMEOUT:
+    raise messages.fail(f"--flower-timeout must be in (0, {MAX_FLOWER_TIMEOUT}] "
+                        f"seconds, got {invocation.flower_timeout}")
   if importlib.util.find_spec("flwr") is None:
     raise messages.fail("--flower needs Flower: pip install 'pflax[flower]'")
   from pflax._src.flower import experiment  # pylint: disable=import-outside-toplevel
@@ -105,10 +109,12 @@ def check_tune_flags(invocation: config_lib.Invocation) -> None:
   if len(invocation.seeds) > 1:
     seeds = " ".join(map(str, invocation.seeds))
     raise messages.fail(f"--tune tunes with one seed, got --seeds {seeds}")
-  if invocation.tune_steps < 0:
-    raise messages.fail(f"--tune-steps must be >= 0, got {invocation.tune_steps}")
-  if not invocation.tune_lr > 0:
-    raise messages.fail(f"--tune-lr must be > 0, got {invocation.tune_lr}")
+  if not 0 <= invocation.tune_steps <= simulate.MAX_COUNT:
+    raise messages.fail(f"--tune-steps must be in [0, {simulate.MAX_COUNT}], got "
+                        f"{invocation.tune_steps}")
+  if not 0 < invocation.tune_lr <= simulate.MAX_LR:
+    raise messages.fail(f"--tune-lr must be in (0, {simulate.MAX_LR:g}], got "
+                        f"{invocation.tune_lr}")
   if not 0 < invocation.tune_validation < 1:
     raise messages.fail(f"--tune-validation must be in (0, 1), got "
                         f"{invocation.tune_validation}")

@@ -49,9 +49,9 @@ FIELD_HELP = {
 }
 FIELD_CHOICES = {"partition": simulate.PARTITIONS, "test_split": simulate.TEST_SPLITS,
                  "fault_kind": ("nan", "scaled", "inflated_counts"),
-                 "model": ("auto", "cnn", "mlp"),
+                 "model": simulate.MODELS,
                  "family": ("cnn", "mlp"),
-                 "strategy": ("auto", "vmap", "loop", "map"),
+                 "strategy": simulate.STRATEGIES,
                  "optimizer": ("sgd", "adam")}
 CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(simulate.ExperimentConfig)
                       if f.name not in ("optimizers", "hyperparameters"))
