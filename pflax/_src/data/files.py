@@ -23,8 +23,8 @@ import numpy as np
 
 from pflax._src.data import arrays
 
-MAX_BYTES = 1 << 32
-"""The largest array a file may declare, in bytes (4 GiB; EMNIST's largest
+MAX_BYTES = 1 << 31
+"""The largest array a file may declare, in bytes (2 GiB; EMNIST's largest
 split is 0.55 GB)."""
 MAX_RATIO = 1032
 """The most that deflate expands its input (1032:1): a compressed payload that
