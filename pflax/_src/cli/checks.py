@@ -1,15 +1,21 @@
 """One-line errors for run-level flags that cannot run together, before any work
 starts (the experiment's own settings are checked as the config is resolved)."""
 
+import contextlib
+import fcntl
 import importlib.util
 import os
+from collections.abc import Iterator
 
 import jax
 
 from pflax._src.cli import config as config_lib
 from pflax._src.cli import messages
+from pflax._src.simulation import records
 from pflax._src.simulation import simulate
 
+LOCK_FILE = ".pflax-run.lock"
+"""The file in `--out` whose lock a run holds (`out_lock`)."""
 MAX_FLOWER_TIMEOUT = 86_400.0
 """The longest `--flower-timeout`: a day."""
 
@@ -27,12 +33,33 @@ def check_run_flags(invocation: config_lib.Invocation) -> None:
   out = invocation.out
   try:
     os.makedirs(out, exist_ok=True)
-    probe = os.path.join(out, ".pflax-write-test")
-    with open(probe, "w", encoding="utf-8"):
-      pass
-    os.remove(probe)
+    records.write_file(os.path.join(out, ".pflax-write-test"), b"")
+    os.remove(os.path.join(out, ".pflax-write-test"))
   except OSError as e:
     raise messages.fail(f"--out {out} cannot be written: {e.strerror}") from None
+
+
+@contextlib.contextmanager
+def out_lock(out: str) -> Iterator[None]:
+  """Holds `--out`'s lock (`fcntl.flock` on `out/.pflax-run.lock`, opened without
+  following a symlink) while the run writes there; a second `pflax-run` on the
+  same `--out` is a one-line error. The lock ends with the process, however it
+  ends."""
+  path = os.path.join(out, LOCK_FILE)
+  try:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+  except OSError as e:
+    raise messages.fail(f"--out {out}: cannot open its lock {LOCK_FILE}: "
+                        f"{e.strerror}") from None
+  try:
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      raise messages.fail(f"--out {out} is in use by another pflax-run; wait for it "
+                          "to end or choose another --out") from None
+    yield
+  finally:
+    os.close(fd)
 
 
 def check_sweep_flags(invocation: config_lib.Invocation) -> None:

@@ -81,17 +81,20 @@ def _sweep(name: str, invocation: config_lib.Invocation, seeds: Sequence[int],
 
 
 def simulate_all(invocation: config_lib.Invocation,
-                 setups: dict[int, simulate.Setup]) -> list[records.RunRecord]:
+                 setups: dict[int, simulate.Setup],
+                 done: list[records.RunRecord] | None = None
+                 ) -> list[records.RunRecord]:
   """Every algorithm's runs, on the `--devices` mesh if any: its seeds as one
-  sweep (`_swept`), else each seed as a sweep of its own."""
+  sweep (`_swept`), else each seed as a sweep of its own. Each sweep's records
+  are appended to `done` as it finishes (what Ctrl-C keeps); returns `done`."""
   mesh = runtime.mesh(invocation.devices)
   seed_groups = ([list(invocation.seeds)] if _swept(invocation)
                  else [[seed] for seed in invocation.seeds])
-  runs = []
+  done = [] if done is None else done
   for name in invocation.algorithms:
     for seeds in seed_groups:
-      runs += _sweep(name, invocation, seeds, setups, mesh)
-  return runs
+      done += _sweep(name, invocation, seeds, setups, mesh)
+  return done
 
 
 def tune(invocation: config_lib.Invocation, setup: simulate.Setup) -> list[Any]:

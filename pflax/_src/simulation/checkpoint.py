@@ -4,7 +4,7 @@ A checkpoint is one msgpack file (`flax.serialization`): the round reached,
 the seconds spent, the runs' histories as JSON and the state of every run as
 arrays (the engine's `Carry`, stored as the pair `(state, opt_states)`, keys
 "0" and "1"), restored into the structure of a freshly initialised state.
-Writes are atomic (a temporary file renamed over the old one). A restored
+Writes are atomic and follow no symlink (`records.write_file`). A restored
 checkpoint is checked against the experiment before any round runs
 (`check_restored`).
 """
@@ -139,10 +139,7 @@ class Checkpointer:
                "carry": serialization.to_state_dict(_as_pair(jax.tree.map(np.asarray,
                                                                          carry)))}
     os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-    tmp = self.path + ".tmp"
-    with open(tmp, "wb") as f:
-      f.write(serialization.msgpack_serialize(payload))
-    os.replace(tmp, self.path)
+    records.write_file(self.path, serialization.msgpack_serialize(payload))
 
   def restore(self) -> Restored | None:
     """`(carry, rounds_done, histories, seconds)`, or None without a checkpoint.
