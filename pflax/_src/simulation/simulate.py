@@ -867,6 +867,22 @@ def _round_records(t: int, metrics: engine.RoundMetrics, clients: np.ndarray
           for r in range(losses.shape[0])]
 
 
+def _check_not_all_dropped(t: int, metrics: engine.RoundMetrics, grid: "_Grid",
+                           name: str) -> None:
+  """Raises ValueError naming the run when every participant of round `t` was
+  dropped (the run diverges: there is nothing to aggregate)."""
+  took_part, healthy = (sharding.to_host(x)[:, grid.clients]
+                        for x in (metrics.took_part, metrics.healthy))
+  for r, (value, seed) in enumerate(grid.runs):
+    if took_part[r].any() and not healthy[r].any():
+      swept = "" if value is None else f" {grid.plan.build.swept}={value:g}"
+      raise ValueError(
+          f"round {t + 1} of {name} seed {seed}{swept}: every participant was "
+          "dropped (its upload not finite or an outlier, or its training loss not "
+          f"finite or beyond {engine.MAX_LOSS:g}): the training diverges; lower lr "
+          "or set grad_clip (faulty_clients > 0 allows empty rounds).")
+
+
 def _execute(grid: _Grid, name: str, config: ExperimentConfig,
              on_round: Callable[[int, list[records.RoundRecord]], None] | None,
              checkpoint: checkpoint_lib.Checkpointer | None) -> list[records.RunRecord]:
@@ -881,6 +897,8 @@ def _execute(grid: _Grid, name: str, config: ExperimentConfig,
   started = time.perf_counter()
   for t in range(first, config.rounds):
     carry, metrics = grid.round(carry, t)
+    if not config.faulty_clients:
+      _check_not_all_dropped(t, metrics, grid, name)
     rounds = _round_records(t, metrics, grid.clients)
     if (t + 1) % config.eval_every == 0 or t + 1 == config.rounds:
       correct = grid.evaluate(carry)[0]
@@ -969,7 +987,8 @@ def sweep(algorithm: str | Builder, config: ExperimentConfig, seeds: Sequence[in
       os.path.join(checkpoint_dir, checkpoint_lib.file_name(name, grid.runs)),
       checkpoint_every, resume, template=grid.template,
       experiment={**dataclasses.asdict(config), "algorithm": name,
-                  "runs": [[v, s] for v, s in grid.runs]}, rounds=config.rounds)
+                  "runs": [[v, s] for v, s in grid.runs]}, rounds=config.rounds,
+      start=grid.start, clients=config.clients)
   return _execute(grid, name, config, on_round, checkpoint or None)
 
 
