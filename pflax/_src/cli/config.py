@@ -274,8 +274,6 @@ def invocation_from_args(args: argparse.Namespace, given: Collection[str]
     runs.update(_saved_runs(saved, given))
   flags = {f: getattr(args, f) for f in parser.CONFIG_FIELDS
            if f in given or f not in base}
-  if not isinstance(runs["algorithms"], (list, tuple)):
-    _checked_runs(runs, simulate.ExperimentConfig())
   config = _checked_config({**base, **flags}, runs["algorithms"], args.set)
   _checked_runs(runs, config)
   return Invocation(
