@@ -121,8 +121,9 @@ def test_fault_fraction_outside_0_1_is_rejected(setup, fraction):
     simulate.run("fedavg", config, 0, setup=setup)
   with pytest.raises(ValueError, match=refused):
     simulate.sweep("fedavg", config, [0], setups={0: setup})
-  with pytest.raises(SystemExit, match=r"^pflax-run: --faulty-clients must be a "
-                                       r"fraction in \[0, 1\), got"):
+  with pytest.raises(SystemExit, match=r"^pflax-run: --faulty-clients must be "
+                                       r"(a fraction in \[0, 1\)|a finite number), "
+                                       "got"):
     cli.main(["--faulty-clients", str(fraction), "--out", "/nonexistent"])
 
 
