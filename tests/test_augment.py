@@ -296,3 +296,16 @@ def test_local_trainer_runs_on_simclr_views():
   chex.assert_tree_all_finite(new)
   assert any(not np.allclose(a, b) for a, b in
              zip(jax.tree.leaves(new), jax.tree.leaves(q)))
+
+
+def test_the_crop_draws_its_vertical_and_horizontal_positions_independently():
+  """Issue 34: on images whose two channels hold each pixel's row and column, a
+  crop's mean row and mean column locate its window: over many crops of one
+  size the two positions are uncorrelated (one draw for both gives 1)."""
+  rows, cols = jnp.meshgrid(jnp.arange(16.0), jnp.arange(16.0), indexing="ij")
+  x = jnp.broadcast_to(jnp.stack([rows, cols], -1), (600, 16, 16, 2))
+  out = augment.random_resized_crop(jax.random.key(3), x, scale=(0.25, 0.25),
+                                    ratio=(1.0, 1.0))
+  top, left = out[..., 0].mean(axis=(1, 2)), out[..., 1].mean(axis=(1, 2))
+  assert float(jnp.ptp(top)) > 5 and float(jnp.ptp(left)) > 5   # both move
+  assert abs(float(jnp.corrcoef(top, left)[0, 1])) < 0.15

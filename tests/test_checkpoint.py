@@ -67,6 +67,22 @@ def _first_float_leaf(change):
   return tamper
 
 
+def _leaf(field, change):
+  def tamper(payload):
+    flat = traverse_util.flatten_dict(payload["carry"], keep_empty_nodes=True)
+    key = next(k for k in flat if field in k)
+    flat[key] = change(flat[key])
+    payload["carry"] = traverse_util.unflatten_dict(flat)
+  return tamper
+
+
+def _record(field, value):
+  def change(histories):
+    histories[0][0][field] = value
+    return histories
+  return _history(change)
+
+
 def _set(field, value):
   return lambda payload: payload.__setitem__(field, value)
 
@@ -100,6 +116,26 @@ TAMPERED = {
     "leaf_nan": (_first_float_leaf(_nan_at_0), r"state \S+ is not finite"),
     "leaf_inf": (_first_float_leaf(lambda x: np.full_like(x, np.inf)),
                  r"state \S+ is not finite"),
+    # Issue 34: finite but forged contents.
+    "parameters_1e30": (_first_float_leaf(lambda x: np.full_like(x, 1e30)),
+                        r"state \S+ holds values beyond 1e\+10 in magnitude"),
+    "zero_sample_counts": (_leaf("num_samples", np.zeros_like),
+                           r"state \S*num_samples\S* is not the experiment's data "
+                           "counts"),
+    "inflated_sample_counts": (_leaf("num_samples", lambda x: x * 1000),
+                               r"state \S*num_samples\S* is not the experiment's"),
+    "accuracy_750_percent": (_record("personalized_accuracy", 7.5),
+                             r"record 1 of run 0's history: its personalized "
+                             r"accuracy 7.5 is not in \[0, 1\]"),
+    "accuracy_negative": (_record("personalized_client_mean", -0.1),
+                          r"personalized client_mean -0.1 is not in \[0, 1\]"),
+    "accuracy_text": (_record("personalized_accuracy", "0.9"),
+                      r"personalized accuracy '0.9' is not in \[0, 1\]"),
+    "loss_nan": (_record("train_loss", float("nan")),
+                 r"its train_loss nan is not a finite number"),
+    "dropped_unknown_client": (_record("dropped_clients", [99]),
+                               r"its dropped_clients \[99\] are not distinct "
+                               r"clients in \[0, 4\)"),
 }
 
 

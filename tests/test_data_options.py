@@ -119,7 +119,7 @@ def test_dataset_split_needs_a_test_split():
 @pytest.mark.parametrize("fields,message", [
     (dict(test_fraction=0.0), r"test_fraction must be in \(0, 1\), got 0.0"),
     (dict(test_fraction=1.0), r"test_fraction must be in \(0, 1\), got 1.0"),
-    (dict(test_fraction=float("nan")), r"test_fraction must be in \(0, 1\)"),
+    (dict(test_fraction=float("nan")), r"test_fraction must be a finite number"),
     (dict(test_split="test"), r"test_split must be one of \('clients', 'dataset'\)"),
     (dict(samples_per_client=0), "samples_per_client must be None or >= 1, got 0"),
 ])

@@ -8,6 +8,7 @@ aborted the whole federation; class counts at registration were not checked."""
 import copy
 import io
 
+import jax
 import numpy as np
 import pytest
 
@@ -126,6 +127,8 @@ TRAIN_ATTACKS = {
     "another participant's id": _metric("client", 0),
     "loss = nan": _metric("loss", float("nan")),
     "loss = inf": _metric("loss", float("inf")),
+    "loss = 1e30": _metric("loss", 1e30),
+    "loss = -1e30": _metric("loss", -1e30),
     "no loss": lambda content: content["metrics"].pop("loss"),
     "no arrays": lambda content: content.pop("arrays"),
 }
@@ -141,6 +144,24 @@ def test_a_malformed_upload_drops_only_its_client(strategy, attack, caplog):  # 
   assert (metrics["aggregated"], metrics["dropped"]) == (3, 1)
   assert strategy.history[-1].train_loss == 0.5
   assert f"node {BAD + 1}: reply dropped" in caplog.text
+
+
+def test_a_reply_naming_another_nodes_client_is_dropped_even_when_first(strategy):  # pylint: disable=redefined-outer-name
+  """A node's reply counts only for the client it was asked to train: `BAD`'s
+  node, replying first in the name of client 0 with a model of its own, is
+  dropped, and client 0's own reply is the one aggregated."""
+  replies = _train_replies(strategy, None)
+  bad = next(i for i, r in enumerate(replies) if r.metadata.src_node_id == BAD + 1)
+  honest = next(i for i, r in enumerate(replies) if r.metadata.src_node_id == 1)
+  forged_model = jax.tree.map(lambda a: np.full_like(a, 7.0), protocol.client_row(
+      strategy.groups, strategy._tasks.starts, 0))  # pylint: disable=protected-access
+  forged = _reply(strategy.messages[bad], {"model": forged_model},
+                  {"client": 0, "loss": 0.9})
+  rest = [r for i, r in enumerate(replies) if i not in (bad, honest)]
+  uploads, losses, _ = strategy._uploads([forged, replies[honest]] + rest, range(4))  # pylint: disable=protected-access
+  assert sorted(uploads) == sorted(set(range(4)) - {BAD}) and losses[0] == 0.5
+  assert not any(np.any(np.asarray(leaf) == 7.0)
+                 for leaf in jax.tree.leaves(uploads[0]))
 
 
 def test_an_error_reply_or_a_reply_twice_costs_only_that_client(strategy):  # pylint: disable=redefined-outer-name

@@ -246,3 +246,100 @@ def test_heterogeneous_clients_get_the_family_named(family):
   plan = simulate_lib._plan("fedavg", config, setup, config.clients, "auto", None)
   assert plan.build(None).models == simulate_lib.models.FAMILIES[family](
       setup.num_classes)
+
+
+# 9. Absurd but well-formed values (issue 34): every flag and --config value out of
+# its range is a one-line error before any work, never a traceback or a run.
+
+_NAN, _INF = float("nan"), float("inf")
+BAD_FLAGS = [
+    ["--lr", "1e30"], ["--lr", "nan"], ["--lr", "inf"], ["--lr", "0"],
+    ["--grad-clip", "nan"], ["--grad-clip", "0"], ["--grad-clip", "-1"],
+    ["--grad-clip", "inf"], ["--momentum", "-1"], ["--momentum", "nan"],
+    ["--momentum", "1"], ["--adam-b1", "1"], ["--adam-b1", "-0.1"],
+    ["--adam-b1", "nan"], ["--fault-scale", "0"], ["--fault-scale", "nan"],
+    ["--fault-scale", "1e300"], ["--fault-kind", "inflated_counts", "--fault-scale",
+                                 "-2"],
+    ["--outlier-factor", "nan"], ["--outlier-factor", "inf"],
+    ["--outlier-factor", "-1"], ["--iid-fraction", "nan"], ["--test-fraction", "nan"],
+    ["--participation", "nan"], ["--faulty-clients", "nan"],
+    ["--dirichlet-alpha", "1e300"], ["--dirichlet-alpha", "nan"],
+    ["--clients", "100000000"], ["--rounds", "10000000000"],
+    ["--batch-size", "100000000"], ["--local-epochs", "1000000000"],
+    ["--eval-every", "0"], ["--samples-per-client", "0"],
+    ["--classes-per-client", "1000"], ["--seeds", "-1"], ["--seeds", "99999999999"],
+    ["--devices", "0"], ["--checkpoint-every", "-5"],
+    ["--flower", "--flower-timeout", "nan"], ["--flower", "--flower-timeout", "inf"],
+    ["--tune", "lr", "--tune-lr", "nan"], ["--tune", "lr", "--tune-lr", "inf"],
+    ["--tune", "lr", "--tune-steps", "-1"], ["--tune", "lr", "--tune-validation", "nan"],
+    ["--sweep", "lr", "--values", "nan"], ["--sweep", "lr", "--values", "1e30"],
+    ["--sweep", "lr", "--values", "-1"], ["--sweep", "lr", "--values", "0"],
+    ["--algorithms", "fedprox", "--sweep", "mu", "--values", "1e30"],
+    ["--algorithms", "fedavg", "--set", "fedavg.lr=1e30"],
+    ["--algorithms", "fedavg", "--set", "fedavg.lr=nan"],
+    ["--algorithms", "fedavg", "--set", "fedavg.grad_clip=nan"],
+    ["--algorithms", "fedavg", "--set", "fedavg.momentum=nan"],
+    ["--algorithms", "fedprox", "--set", "mu=nan"],
+    ["--algorithms", "fedprox", "--set", "mu=-1"],
+    ["--algorithms", "fedprox", "--set", "mu=1e30"],
+    ["--algorithms", "cwfedavg", "--set", "wdr_coef=inf"],
+    ["--algorithms", "fedclassavg", "--set", "rho=nan"],
+    ["--algorithms", "fedclassavg", "--set", "fedclassavg.lr=inf"],
+    ["--algorithms", "fedclassavg", "--set", "fedclassavg.adam_b1=2"],
+]
+BAD_CONFIGS = [
+    dict(clients="6"), dict(clients=2.5), dict(clients=None), dict(clients=True),
+    dict(clients=[1]), dict(clients=10**9), dict(lr="0.1"), dict(lr=None), dict(lr=[0.1]),
+    dict(lr=_INF), dict(lr=_NAN), dict(lr=1e30), dict(grad_clip=_NAN),
+    dict(grad_clip="1"), dict(momentum=1.0), dict(rounds=1.5), dict(rounds="x"),
+    dict(eval_every=10**30), dict(partition=5), dict(partition="nope"),
+    dict(dataset=5), dict(dataset=None), dict(data_dir=5), dict(model="resnet"),
+    dict(strategy="gpu"), dict(optimizer="rmsprop"), dict(fault_kind=3),
+    dict(fault_scale=1e300), dict(test_split=None), dict(heterogeneous="yes"),
+    dict(samples_per_client=1.5), dict(batch_size=-3), dict(iid_fraction="0.2"),
+    dict(participation=None), dict(classes_per_client=0.5),
+    dict(optimizers={"fedavg": {"lr": 1e30}}), dict(optimizers={"fedavg": {"lr": "x"}}),
+    dict(optimizers={"fedavg": {"optimizer": "rmsprop"}}), dict(optimizers={"fedavg": 5}),
+    dict(optimizers=[1]), dict(hyperparameters=5),
+    dict(hyperparameters={"fedprox": {"mu": "x"}}, algorithms=["fedprox"]),
+    dict(hyperparameters={"fedprox": {"mu": None}}, algorithms=["fedprox"]),
+    dict(hyperparameters={"fedprox": {"mu": 1e30}}, algorithms=["fedprox"]),
+    dict(algorithms="fedavg"), dict(algorithms=[]), dict(algorithms=[5]),
+    dict(seeds=[-1]), dict(seeds="0"), dict(seeds=[0.5]), dict(seeds=[]),
+    dict(devices=0), dict(devices="x"), dict(sweep={"lr": "x"}),
+    dict(sweep={"lr": [1, 2], "mu": [1]}), dict(sweep=5), dict(sweep={"lr": [_NAN]}),
+    dict(flower={"x": 1}), dict(flower="deployment"),
+]
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+  """Fails the test if `pflax-run` gets past its checks to any run."""
+  from pflax._src.cli import federation as cli_federation  # pylint: disable=import-outside-toplevel
+  from pflax._src.cli import runs as cli_runs  # pylint: disable=import-outside-toplevel
+  def ran(*args, **kwargs):
+    raise AssertionError("a bad value was accepted: the run started")
+  for module, name in ((cli_runs, "simulate_all"), (cli_runs, "tune"),
+                       (cli_federation, "federate")):
+    monkeypatch.setattr(module, name, ran)
+
+
+def _refused(argv):
+  with pytest.raises(SystemExit) as error:
+    cli.main(argv)
+  message = str(error.value.code)
+  assert message.startswith("pflax-run: ") and "\n" not in message, message
+  assert error.value.code not in (0, None)
+
+
+@pytest.mark.parametrize("flags", BAD_FLAGS, ids=" ".join)
+def test_absurd_flags_are_one_line_errors_before_work(flags, tmp_path, no_work):
+  _refused(QUIET + flags + ["--out", str(tmp_path / "out")])
+
+
+@pytest.mark.parametrize("config", BAD_CONFIGS, ids=repr)
+def test_absurd_config_files_are_one_line_errors_before_work(config, tmp_path,
+                                                              no_work):
+  path = tmp_path / "results.json"
+  path.write_text(json.dumps({"config": config}))
+  _refused(QUIET + ["--config", str(path), "--out", str(tmp_path / "out")])

@@ -1,13 +1,23 @@
 """One-line errors for run-level flags that cannot run together, before any work
 starts (the experiment's own settings are checked as the config is resolved)."""
 
+import contextlib
+import fcntl
 import importlib.util
 import os
+from collections.abc import Iterator
 
 import jax
 
 from pflax._src.cli import config as config_lib
 from pflax._src.cli import messages
+from pflax._src.simulation import records
+from pflax._src.simulation import simulate
+
+LOCK_FILE = ".pflax-run.lock"
+"""The file in `--out` whose lock a run holds (`out_lock`)."""
+MAX_FLOWER_TIMEOUT = 86_400.0
+"""The longest `--flower-timeout`: a day."""
 
 
 def check_run_flags(invocation: config_lib.Invocation) -> None:
@@ -23,12 +33,33 @@ def check_run_flags(invocation: config_lib.Invocation) -> None:
   out = invocation.out
   try:
     os.makedirs(out, exist_ok=True)
-    probe = os.path.join(out, ".pflax-write-test")
-    with open(probe, "w", encoding="utf-8"):
-      pass
-    os.remove(probe)
+    records.write_file(os.path.join(out, ".pflax-write-test"), b"")
+    os.remove(os.path.join(out, ".pflax-write-test"))
   except OSError as e:
     raise messages.fail(f"--out {out} cannot be written: {e.strerror}") from None
+
+
+@contextlib.contextmanager
+def out_lock(out: str) -> Iterator[None]:
+  """Holds `--out`'s lock (`fcntl.flock` on `out/.pflax-run.lock`, opened without
+  following a symlink) while the run writes there; a second `pflax-run` on the
+  same `--out` is a one-line error. The lock ends with the process, however it
+  ends."""
+  path = os.path.join(out, LOCK_FILE)
+  try:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+  except OSError as e:
+    raise messages.fail(f"--out {out}: cannot open its lock {LOCK_FILE}: "
+                        f"{e.strerror}") from None
+  try:
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      raise messages.fail(f"--out {out} is in use by another pflax-run; wait for it "
+                          "to end or choose another --out") from None
+    yield
+  finally:
+    os.close(fd)
 
 
 def check_sweep_flags(invocation: config_lib.Invocation) -> None:
@@ -66,9 +97,9 @@ def check_flower_flags(invocation: config_lib.Invocation) -> None:
     if used:
       raise messages.fail(f"{flag} is for simulations; --flower runs each seed as a "
                           "federation of its own")
-  if invocation.flower_timeout <= 0:
-    raise messages.fail(f"--flower-timeout must be > 0, got "
-                        f"{invocation.flower_timeout}")
+  if not 0 < invocation.flower_timeout <= MAX_FLOWER_TIMEOUT:
+    raise messages.fail(f"--flower-timeout must be in (0, {MAX_FLOWER_TIMEOUT}] "
+                        f"seconds, got {invocation.flower_timeout}")
   if importlib.util.find_spec("flwr") is None:
     raise messages.fail("--flower needs Flower: pip install 'pflax[flower]'")
   from pflax._src.flower import experiment  # pylint: disable=import-outside-toplevel
@@ -106,10 +137,12 @@ def check_tune_flags(invocation: config_lib.Invocation) -> None:
   if len(invocation.seeds) > 1:
     seeds = " ".join(map(str, invocation.seeds))
     raise messages.fail(f"--tune tunes with one seed, got --seeds {seeds}")
-  if invocation.tune_steps < 0:
-    raise messages.fail(f"--tune-steps must be >= 0, got {invocation.tune_steps}")
-  if not invocation.tune_lr > 0:
-    raise messages.fail(f"--tune-lr must be > 0, got {invocation.tune_lr}")
+  if not 0 <= invocation.tune_steps <= simulate.MAX_COUNT:
+    raise messages.fail(f"--tune-steps must be in [0, {simulate.MAX_COUNT}], got "
+                        f"{invocation.tune_steps}")
+  if not 0 < invocation.tune_lr <= simulate.MAX_LR:
+    raise messages.fail(f"--tune-lr must be in (0, {simulate.MAX_LR:g}], got "
+                        f"{invocation.tune_lr}")
   if not 0 < invocation.tune_validation < 1:
     raise messages.fail(f"--tune-validation must be in (0, 1), got "
                         f"{invocation.tune_validation}")

@@ -16,6 +16,7 @@ from pflax._src.methods import registry
 from pflax._src.simulation import presets
 from pflax._src.simulation import simulate
 
+_FLOWER_ENGINES = ("deployment", "simulation")
 RUN_LEVEL = ("algorithms", "seeds", "devices", "sweep", "preset", "flower")
 """Keys of results.json's `config` that choose the runs, not the experiment."""
 
@@ -192,17 +193,55 @@ def _saved_runs(saved: Mapping[str, Any], given: Collection[str]) -> dict[str, A
   engine."""
   runs = {key: saved[key] for key in ("algorithms", "seeds", "devices")
           if key in saved and key not in given}
-  if saved.get("sweep") and "sweep" not in given:
-    (runs["sweep"], runs["values"]), = saved["sweep"].items()
-  if saved.get("flower") and "flower" not in given:
-    runs["flower"] = saved["flower"]["engine"]
+  sweep, flower = saved.get("sweep"), saved.get("flower")
+  if sweep and "sweep" not in given:
+    if not (isinstance(sweep, dict) and len(sweep) == 1
+            and isinstance(next(iter(sweep.values())), list)):
+      raise messages.fail(f"--config: sweep must be {{HYPERPARAMETER: [values]}}, got "
+                          f"{sweep!r}")
+    (runs["sweep"], runs["values"]), = sweep.items()
+  if flower and "flower" not in given:
+    if not isinstance(flower, dict) or flower.get("engine") not in _FLOWER_ENGINES:
+      raise messages.fail(f"--config: flower must hold an engine of "
+                          f"{_FLOWER_ENGINES}, got {flower!r}")
+    runs["flower"] = flower["engine"]
   return runs
+
+
+def _checked_runs(runs: Mapping[str, Any], config: simulate.ExperimentConfig) -> None:
+  """One-line errors for run-level choices out of range (a `--config` file's
+  included): algorithms, seeds, devices, and each `--values` entry of `--sweep`
+  as its algorithm checks it."""
+  algorithms, devices = runs["algorithms"], runs["devices"]
+  if (not isinstance(algorithms, (list, tuple)) or not algorithms
+      or not all(isinstance(a, str) for a in algorithms)):
+    raise messages.fail(f"--algorithms must be a non-empty list of names, got "
+                        f"{algorithms!r}")
+  if devices is not None and (isinstance(devices, bool)
+                              or not isinstance(devices, int)):
+    raise messages.fail(f"--devices must be an integer >= 1, got {devices!r}")
+  values = runs["values"]
+  if not isinstance(values, (list, tuple)) or not all(
+      isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+    raise messages.fail(f"--values must be numbers, got {values!r}")
+  for name in algorithms:
+    try:
+      simulate.check_sweep(name, config, list(runs["seeds"]) if isinstance(
+          runs["seeds"], (list, tuple)) else [runs["seeds"]], runs["sweep"], values)
+    except ValueError as e:
+      raise messages.fail(messages.flag_message(e)) from None
 
 
 def _checked_config(values: Mapping[str, Any], algorithms: Sequence[str],
                     sets: Sequence[str]) -> simulate.ExperimentConfig:
   """The `ExperimentConfig` of `values` with `--set`, checked for `algorithms`;
   a setting it refuses is a one-line error naming its flag."""
+  for table in ("hyperparameters", "optimizers"):
+    entries = values.get(table, {})
+    if not isinstance(entries, Mapping) or not all(
+        isinstance(entry, Mapping) for entry in entries.values()):
+      raise messages.fail(f"{table} must map algorithm names to keywords, got "
+                          f"{entries!r}")
   try:
     config = apply_sets(simulate.ExperimentConfig(**values), algorithms, sets)
     simulate.check_config(config)
@@ -238,6 +277,7 @@ def invocation_from_args(args: argparse.Namespace, given: Collection[str]
            if f in given or f not in base}
   config = privacy.planned(
       _checked_config({**base, **flags}, runs["algorithms"], args.set))
+  _checked_runs(runs, config)
   return Invocation(
       config=config, algorithms=tuple(runs["algorithms"]), seeds=tuple(runs["seeds"]),
       sweep=runs["sweep"], values=tuple(runs["values"]), devices=runs["devices"],

@@ -56,24 +56,39 @@ def _main(args: argparse.Namespace, given: Collection[str]) -> int:
     runtime.join_hosts(invocation.coordinator_address, invocation.num_processes,
                        invocation.process_id)
   checks.check_device_count(invocation)
-  _run(invocation)
+  try:
+    with checks.out_lock(invocation.out):
+      _run(invocation)
+  except OSError as e:  # a full disk, a file that cannot be written
+    where = f" {e.filename}" if e.filename else ""
+    raise messages.fail(f"cannot write{where}: {e.strerror or e}") from None
   return 0
 
 
 def _run(invocation: config.Invocation) -> None:
   """Prepares each seed's federation, then tunes or runs (simulated or with
-  Flower); process 0 writes the results."""
+  Flower); process 0 writes the results, on Ctrl-C those of every algorithm
+  that finished."""
   runs.resume_notice(invocation)
   setups = runs.prepare(invocation)
   if invocation.tune:
     runs.tune(invocation, setups[invocation.seeds[0]])
     return
   recorded = config.config_dict(invocation)
-  if invocation.flower:
-    done, recorded["flower"] = federation.federate(invocation)
-  else:
-    done = runs.simulate_all(invocation, setups)
+  counts = setups[invocation.seeds[0]].federation.counts
+  done = []
+  try:
+    if invocation.flower:
+      done, recorded["flower"] = federation.federate(invocation)
+    else:
+      runs.simulate_all(invocation, setups, done)
+  except KeyboardInterrupt:
+    if done and jax.process_index() == 0:
+      report.write_results(records.Results(recorded, counts, tuple(done)),
+                           invocation.out)
+      print(f"pflax-run: interrupted; wrote the {len(done)} finished runs",
+            file=sys.stderr)
+    raise
   if jax.process_index() == 0:
-    counts = setups[invocation.seeds[0]].federation.counts
     report.write_results(records.Results(recorded, counts, tuple(done)),
                          invocation.out)

@@ -56,9 +56,9 @@ FIELD_HELP = {
 }
 FIELD_CHOICES = {"partition": simulate.PARTITIONS, "test_split": simulate.TEST_SPLITS,
                  "fault_kind": engine.FAULT_KINDS,
-                 "model": ("auto", "cnn", "mlp"),
+                 "model": simulate.MODELS,
                  "family": ("cnn", "mlp"),
-                 "strategy": ("auto", "vmap", "loop", "map"),
+                 "strategy": simulate.STRATEGIES,
                  "precision": ("float32", "bf16"),
                  "optimizer": ("sgd", "adam")}
 CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(simulate.ExperimentConfig)

@@ -83,21 +83,31 @@ def _sweep(name: str, invocation: config_lib.Invocation, seeds: Sequence[int],
 
 
 def simulate_all(invocation: config_lib.Invocation,
-                 setups: dict[int, simulate.Setup]) -> list[records.RunRecord]:
+                 setups: dict[int, simulate.Setup],
+                 done: list[records.RunRecord] | None = None
+                 ) -> list[records.RunRecord]:
   """Every algorithm's runs, on the `--devices` mesh if any: its seeds as one
-  sweep (`_swept`), else each seed as a sweep of its own."""
+  sweep (`_swept`), else each seed as a sweep of its own. Each sweep's records
+  are appended to `done` as it finishes (what Ctrl-C keeps); returns `done`."""
   mesh = runtime.mesh(invocation.devices)
   seed_groups = ([list(invocation.seeds)] if _swept(invocation)
                  else [[seed] for seed in invocation.seeds])
-  runs = []
+  done = [] if done is None else done
+  spent = privacy.spent(invocation.config)
   for name in invocation.algorithms:
     for seeds in seed_groups:
-      runs += _sweep(name, invocation, seeds, setups, mesh)
-  spent = privacy.spent(invocation.config)
+      done += _with_epsilon(_sweep(name, invocation, seeds, setups, mesh), spent)
+  if spent is not None:
+    print(f"client-level DP: eps = {spent[-1]:.4g} spent (delta = "
+          f"{invocation.config.dp_delta:g})", flush=True)
+  return done
+
+
+def _with_epsilon(runs: list[records.RunRecord], spent: list[float] | None
+                  ) -> list[records.RunRecord]:
+  """The runs with each round's privacy spent (`privacy.spent`) recorded, if any."""
   if spent is None:
     return runs
-  print(f"client-level DP: eps = {spent[-1]:.4g} spent (delta = "
-        f"{invocation.config.dp_delta:g})", flush=True)
   return [dataclasses.replace(run, history=tuple(
       dataclasses.replace(rec, epsilon=e) for rec, e in zip(run.history, spent)))
           for run in runs]

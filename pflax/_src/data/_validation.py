@@ -37,10 +37,13 @@ def labels(labels: npt.ArrayLike, num_classes: int | None, *,
 
 def label_range(labels: np.ndarray, num_classes: int, name: str) -> None:
   """Raises unless the non-empty integer array `labels` lies in `[0, num_classes)`."""
-  if labels.min() < 0 or labels.max() >= num_classes:
+  outside = (labels < 0) | (labels >= num_classes)
+  if outside.any():
+    first = int(np.flatnonzero(outside)[0])
     raise ValueError(
         f"{name} must lie in [0, num_classes) = [0, {num_classes}), got values in "
-        f"[{labels.min()}, {labels.max()}].")
+        f"[{labels.min()}, {labels.max()}]; the first outside is {name}[{first}] = "
+        f"{labels[first]}.")
 
 
 def positive_int(value: int, name: str) -> None:

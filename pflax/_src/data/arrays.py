@@ -80,6 +80,26 @@ def _labels(labels: npt.ArrayLike, name: str, num_samples: int) -> np.ndarray:
   return arr.astype(np.int64)
 
 
+def _inferred_classes(labels: np.ndarray, test_labels: np.ndarray | None) -> int:
+  """K of labels given without `num_classes`: every class `0..K-1` must have a
+  sample (in either split). A label past a class without any sample (one stray
+  255 among the digits 0..9) is an error naming its index, not 256 classes."""
+  both = labels if test_labels is None else np.concatenate([labels, test_labels])
+  if both.min() < 0:
+    return 1  # label_range names the first negative label.
+  classes = np.unique(both)
+  if classes[-1] == len(classes) - 1:
+    return len(classes)
+  gap = int(np.flatnonzero(classes != np.arange(len(classes)))[0])
+  name, split = (("labels", labels) if (labels > gap).any()
+                 else ("test_labels", test_labels))
+  first = int(np.flatnonzero(split > gap)[0])
+  raise ValueError(
+      f"{name}[{first}] = {split[first]} lies outside the classes 0..{gap - 1} "
+      f"that the labels cover (no sample has label {gap}); declare num_classes "
+      f"(e.g. {classes[-1] + 1}) if classes without samples are meant.")
+
+
 def from_arrays(
     images: npt.ArrayLike,
     labels: npt.ArrayLike,
@@ -99,7 +119,9 @@ def from_arrays(
     images: `(N, H, W, C)` images or `(N, D)` feature vectors, N >= 1, finite.
       A 3-D `(N, H, W)` array is refused: add the channel axis, `images[..., None]`.
     labels: `(N,)` class labels in `[0, K)`.
-    num_classes: `K`; None uses `max(labels, test_labels) + 1`.
+    num_classes: `K`; None uses `max(labels, test_labels) + 1` when every class
+      below it has a sample, and refuses labels past a class without one (the
+      message names the first); declare `K` to allow classes without samples.
     name: the dataset's name.
     test_images, test_labels: the dataset's own test split, both or neither;
       same per-sample shape as `images`, labels in `[0, K)`.
@@ -130,8 +152,7 @@ def from_arrays(
     test_images = _images(test_images, "test_images", images.shape[1:])
     test_labels = _labels(test_labels, "test_labels", len(test_images))
   if num_classes is None:
-    top = labels.max() if test_labels is None else max(labels.max(), test_labels.max())
-    num_classes = max(int(top) + 1, 1)
+    num_classes = _inferred_classes(labels, test_labels)
   _validation.positive_int(num_classes, "num_classes")
   _validation.label_range(labels, num_classes, "labels")
   if test_labels is not None:

@@ -207,14 +207,14 @@ def _load_mnist_like(name: str, data_dir: str | None, download: bool
     return load_tfds(name, data_dir=data_dir)
   folder = _idx_folder(name, data_dir)
   if folder is not None:
-    return files.load_idx(folder)._replace(name=name)
+    return files.load_idx(folder, num_classes=_NUM_CLASSES[name])._replace(name=name)
   if prepared or download:
     return load_tfds(name, data_dir=data_dir, download=download)
   raise FileNotFoundError(_not_found_message(name, data_dir))
 
 
 def load(name_or_path: str, *, data_dir: str | None = None,
-         download: bool = False) -> arrays.Dataset:
+         download: bool = False, num_classes: int | None = None) -> arrays.Dataset:
   """Loads a dataset by name or from a file.
 
   `"mnist"` and `"fashion_mnist"` come from the first copy found: a TFDS copy
@@ -230,6 +230,8 @@ def load(name_or_path: str, *, data_dir: str | None = None,
     data_dir: TFDS data directory, also searched for IDX files (unused for
       `"digits"` and paths).
     download: let TFDS download and prepare the dataset when no copy is found.
+    num_classes: `K` of a folder of IDX files or an `.npz` file, declared (then
+      classes without samples are allowed); None infers it (`from_arrays`).
 
   Returns:
     The `Dataset`; the dataset's own test split, if it has one, is in
@@ -253,8 +255,8 @@ def load(name_or_path: str, *, data_dir: str | None = None,
     return load_tfds(name_or_path, data_dir=data_dir, download=download)
   path = os.path.expanduser(name_or_path)
   if os.path.isdir(path):
-    return files.load_idx(path)
+    return files.load_idx(path, num_classes=num_classes)
   if path.endswith(".npz"):
-    return files.load_npz(path)
+    return files.load_npz(path, num_classes=num_classes)
   raise ValueError(f"name_or_path must be one of {NAMES}, an .npz file or a folder of "
                    f"IDX files, got {name_or_path!r}.")

@@ -1,8 +1,8 @@
 """What a node sends, checked: nothing a node sends is trusted.
 
 Every number is checked: counts are integers in `[0, MAX_COUNT]`, a loss is
-finite, an evaluation has `correct <= tests <=` the test samples its client
-registered, a reply comes from the node of a client the server waits for. A
+finite and at most `engine.MAX_LOSS` in magnitude, an evaluation has `correct <=
+tests <=` the test samples its client registered, a reply comes from the node of a client the server waits for. A
 `train` or `evaluate` reply that fails any check, or fails to decode in any
 way (`pflax._src.flower.wire`), drops its client from that round and nobody
 else. A registration that fails a check (class counts that are negative, too
@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from pflax._src.flower import wire
+from pflax._src.simulation import engine
 
 MAX_COUNT = 2**31 - 1
 """The largest count a node may declare, and the largest sum of the federation's
@@ -40,6 +41,17 @@ def finite_number(value: Any, name: str) -> float:
   if not isinstance(value, (float, np.floating)) or not math.isfinite(value):
     raise ValueError(f"{name} must be a finite number, got {value!r}.")
   return float(value)
+
+
+def training_loss(value: Any, name: str) -> float:
+  """A reported training loss: a finite number of magnitude at most
+  `engine.MAX_LOSS`, the engine's health rule (`engine.plausible_losses`);
+  ValueError naming `name` for anything else."""
+  loss = finite_number(value, name)
+  if abs(loss) > engine.MAX_LOSS:
+    raise ValueError(f"{name} must be at most {engine.MAX_LOSS:g} in magnitude, got "
+                     f"{value!r}.")
+  return loss
 
 
 def reason(error: Exception) -> str:

@@ -182,7 +182,7 @@ class PflaxStrategy(flwr_strategy.Strategy):
     like = protocol.client_row(self.groups, self._tasks.starts, client)
     model = wire.unpacked(reply.content, {"model": like},
                           f"client {client}'s model")["model"]
-    return client, model, replies_lib.finite_number(metrics["loss"],
+    return client, model, replies_lib.training_loss(metrics["loss"],
                                                 f"client {client}'s loss")
 
   def warm_up(self, grid: "flwr_serverapp.Grid", timeout: float) -> None:

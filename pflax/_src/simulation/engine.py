@@ -64,6 +64,10 @@ OUTLIER_FACTOR = 1000.0
 
 MIN_OUTLIER_CLIENTS = 3
 """The outlier test needs this many finite participants with a non-zero update."""
+MAX_LOSS = 1e6
+"""The largest training loss a client may report; a larger one (or a non-finite
+one) marks it unhealthy (`plausible_losses`): a mean cross-entropy of 1e6 is a
+diverged model, not a measurement."""
 
 FAULT_KINDS = ("nan", "scaled", "inflated_counts", "sign_flip", "gaussian", "alie",
                "ipm")
@@ -272,6 +276,13 @@ def healthy_clients(took_part: chex.Array, finite: chex.Array, log2_norms: chex.
   """
   ok = took_part & finite
   return ok & ~update_outliers(log2_norms, ok, outlier_factor)
+
+
+def plausible_losses(losses: chex.Array) -> chex.Array:
+  """Bool `(M,)`: the clients whose reported training loss is finite and at most
+  `MAX_LOSS` in magnitude; the others are unhealthy, like a non-finite upload,
+  so that no 1e30 enters the round's loss."""
+  return jnp.isfinite(losses) & (jnp.abs(losses) <= MAX_LOSS)
 
 
 def keep_if_nobody(healthy: chex.Array, new: alg.State, old: alg.State) -> alg.State:
@@ -580,7 +591,8 @@ def _round_outputs(groups: groups_lib.Groups, carry: Carry, inputs: _Inputs,
   trained = _with_faults(groups, starts, trained, inputs.faulty, inputs.took_part,
                          jax.random.fold_in(inputs.server_key, FAULT_STREAM),
                          fault_kind, fault_scale)
-  state, healthy = server_step(groups, carry.state, starts, trained, inputs.took_part,
+  state, healthy = server_step(groups, carry.state, starts, trained,
+                               inputs.took_part & plausible_losses(losses),
                                inputs.server_key, outlier_factor)
   opts = tuple(weights_lib.keep_masked(after, before, mask) for after, before, mask in
                zip(opt_after, carry.opt_states, _group_masks(groups, healthy)))

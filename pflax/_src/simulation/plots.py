@@ -8,6 +8,7 @@ backend chosen or changed, no window). matplotlib is imported only when a figure
 drawn.
 """
 
+import io
 import os
 import zlib
 from collections.abc import Callable, Iterable, Mapping
@@ -232,5 +233,13 @@ def save(results: records.Results, out_dir: str) -> list[str]:
   paths = []
   for name, (figure, dpi) in figures.items():
     paths.append(os.path.join(out_dir, name))
-    figure().savefig(paths[-1], dpi=dpi)
+    save_figure(figure(), paths[-1], dpi)
   return paths
+
+
+def save_figure(fig: "Figure", path: str, dpi: int) -> None:
+  """Writes `fig` as PNG to `path` (`records.write_file`: atomic, no symlink
+  followed)."""
+  buffer = io.BytesIO()
+  fig.savefig(buffer, format="png", dpi=dpi)
+  records.write_file(path, buffer.getvalue())

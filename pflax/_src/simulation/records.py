@@ -17,6 +17,7 @@ so files written before a summary field existed read the same.
 import dataclasses
 import json
 import os
+import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -35,13 +36,46 @@ def _mean_std(values: Sequence[float]) -> str:
   return f"{100 * np.mean(values):.2f} ± {100 * np.std(values):.2f}"
 
 
+def write_file(path: str, content: bytes) -> None:
+  """Writes `content` to `path` atomically and without following symlinks.
+
+  The bytes go to a new temporary file of an unguessable name in `path`'s
+  folder, created exclusively and never through a symlink (`O_EXCL |
+  O_NOFOLLOW`), synced, then renamed over `path` (a rename replaces a symlink
+  at `path`, it does not follow it). On any failure, a full disk or Ctrl-C
+  included, the temporary file is removed: `path` holds its old content or the
+  new, never a part, and nothing outside the folder is written.
+
+  Raises:
+    OSError: the file cannot be written; its `filename` is `path`.
+  """
+  folder, name = os.path.split(path)
+  tmp = os.path.join(folder, f".{name}.{secrets.token_hex(8)}.tmp")
+  flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+  try:
+    fd = os.open(tmp, flags, 0o644)
+  except OSError as e:
+    raise OSError(e.errno, e.strerror, path) from None
+  try:
+    try:
+      view = memoryview(content)
+      while view:
+        view = view[os.write(fd, view):]
+      os.fsync(fd)
+    finally:
+      os.close(fd)
+    os.replace(tmp, path)
+  except BaseException as e:
+    os.unlink(tmp)
+    if isinstance(e, OSError):
+      raise OSError(e.errno, e.strerror, path) from None
+    raise
+
+
 def write_json(path: str, value: Any) -> None:
-  """Writes `value` as JSON to `path` atomically: a temporary file renamed over
-  it, so a reader never sees a partial file."""
-  tmp = f"{path}.tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump(value, f, indent=1)
-  os.replace(tmp, path)
+  """Writes `value` as JSON to `path` atomically (`write_file`): a reader never
+  sees a partial file, and a symlink planted at `path` is replaced, not followed."""
+  write_file(path, json.dumps(value, indent=1).encode("utf-8"))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,8 @@ import inspect
 import math
 import os
 import time
+import types
+import typing
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -49,8 +51,21 @@ TEST_SPLITS = ("clients", "dataset")
 HEAD_SHARING = registry.HEAD_SHARING
 """pflax's algorithms whose server step and client context read only the output
 layer, so `heterogeneous=True` can wrap them (`pflax.algorithms.heterogeneous`)."""
+MODELS = ("auto", "cnn", "mlp")
+"""`ExperimentConfig.model`: pflax's models by name (`pflax.models.get_model`)."""
+STRATEGIES = ("auto", "vmap", "loop", "map")
+"""`ExperimentConfig.strategy`: how clients are mapped (`pflax.train`)."""
 OPTIMIZER_FIELDS = ("optimizer", "lr", "momentum", "adam_b1", "grad_clip")
 """The fields of the clients' optimizer in `ExperimentConfig` (and its overrides)."""
+MAX_LR = 1e3
+"""The largest learning rate (or `grad_clip`) a run accepts: a larger one diverges."""
+MAX_COUNT = 10**6
+"""The largest `clients`, `rounds`, `local_epochs`, `batch_size` or `eval_every`."""
+MAX_MAGNITUDE = 1e6
+"""The largest magnitude of a builder's numeric hyperparameter and of
+`dirichlet_alpha`; `fault_scale` may reach `MAX_FAULT_SCALE`."""
+MAX_FAULT_SCALE = 1e30
+"""The largest magnitude of `fault_scale` (1e30 is the default of "scaled")."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,8 +218,11 @@ def client_optimizer(optimizer: str = "sgd", lr: float = 0.05, momentum: float =
                      ) -> optax.GradientTransformation:
   """The clients' optimizer: SGD (optionally with momentum) or Adam (b2 0.999),
   with an optional clip of the gradient's global norm. `lr` may be traced."""
-  alg.check_range("lr", lr, 0.0, open_low=True)
-  alg.check_range("momentum", momentum, 0.0, 1.0)
+  alg.check_range("lr", lr, 0.0, MAX_LR, open_low=True)
+  alg.check_range("momentum", momentum, 0.0, 0.999)
+  alg.check_range("adam_b1", adam_b1, 0.0, 0.999)
+  if grad_clip is not None:
+    alg.check_range("grad_clip", grad_clip, 0.0, MAX_LR, open_low=True)
   if optimizer == "sgd":
     opt = optax.sgd(lr, momentum=momentum or None)
   elif optimizer == "adam":
@@ -508,10 +526,16 @@ def check_config(config: ExperimentConfig) -> None:
   def require(ok, field, expected):
     if not ok:
       raise ValueError(f"{field} must be {expected}, got {getattr(config, field)!r}.")
+  for field in dataclasses.fields(ExperimentConfig):
+    kind = _field_kind(field.type)
+    if kind is not None:
+      require(_of_kind(getattr(config, field.name), kind), field.name, kind)
+  for field in ("clients", "rounds", "eval_every", "local_epochs", "batch_size"):
+    require(getattr(config, field) <= MAX_COUNT, field, f"at most {MAX_COUNT}")
   require(config.clients >= 1, "clients", ">= 1")
   require(config.classes_per_client >= 1, "classes_per_client", ">= 1")
-  require(config.dirichlet_alpha > 0 and math.isfinite(config.dirichlet_alpha),
-          "dirichlet_alpha", "a finite number > 0")
+  require(0 < config.dirichlet_alpha <= MAX_MAGNITUDE, "dirichlet_alpha",
+          f"a finite number in (0, {MAX_MAGNITUDE:g}]")
   require(0.0 <= config.iid_fraction <= 1.0, "iid_fraction", "in [0, 1]")
   require(config.samples_per_client is None or config.samples_per_client >= 1,
           "samples_per_client", "None or >= 1")
@@ -530,15 +554,20 @@ def check_config(config: ExperimentConfig) -> None:
   require(0.0 <= config.faulty_clients < 1.0, "faulty_clients", "a fraction in [0, 1)")
   require(config.fault_kind in engine.FAULT_KINDS, "fault_kind",
           f"one of {engine.FAULT_KINDS}")
-  require(config.fault_scale is None or math.isfinite(config.fault_scale),
-          "fault_scale", "None or finite")
-  require(not config.outlier_factor or config.outlier_factor > 1, "outlier_factor",
-          "None, 0 or > 1")
+  require(config.fault_scale is None
+          or 0 < abs(config.fault_scale) <= MAX_FAULT_SCALE, "fault_scale",
+          f"None or a non-zero number of magnitude at most {MAX_FAULT_SCALE:g}")
+  require(config.fault_scale is None or config.fault_kind != "inflated_counts"
+          or config.fault_scale > 0, "fault_scale", '> 0 for "inflated_counts"')
+  require(not config.outlier_factor or 1 < config.outlier_factor <= MAX_MAGNITUDE,
+          "outlier_factor", f"None, 0 or in (1, {MAX_MAGNITUDE:g}]")
   require(config.family in models.FAMILIES, "family",
           f"one of {tuple(models.FAMILIES)}")
   require(config.heterogeneous or config.family == "cnn", "family",
           '"cnn" (the default) unless heterogeneous=True: it names the '
           "heterogeneous clients' architectures")
+  require(config.model in MODELS, "model", f"one of {MODELS}")
+  require(config.strategy in STRATEGIES, "strategy", f"one of {STRATEGIES}")
   require(config.rounds >= 1, "rounds", ">= 1")
   require(config.eval_every >= 1, "eval_every", ">= 1")
   require(config.local_epochs >= 1, "local_epochs", ">= 1")
@@ -546,9 +575,39 @@ def check_config(config: ExperimentConfig) -> None:
           f"one of {train_lib.PRECISIONS}")
   require(config.batch_size >= 1, "batch_size", ">= 1")
   require(config.lr > 0 and math.isfinite(config.lr), "lr", "a finite number > 0")
+  require(config.data_dir is None or config.data_dir, "data_dir", "None or a folder")
+  client_optimizer(**{f: getattr(config, f) for f in OPTIMIZER_FIELDS})
   message = participation_warning(config)
   if message:
     warnings.warn(message, UserWarning)
+
+
+def _field_kind(annotation: Any) -> str | None:
+  """What a field of `ExperimentConfig` annotated `annotation` must hold, in
+  words, or None for a table (`optimizers`, `hyperparameters`)."""
+  union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+  options = typing.get_args(annotation) if union else (annotation,)
+  words = {bool: "True or False", int: "an integer", float: "a finite number",
+           str: "a string"}
+  kind = next((words[t] for t in (bool, int, float, str) if t in options), None)
+  if kind is not None and type(None) in options:
+    kind = "None or " + kind
+  return kind
+
+
+def _of_kind(value: Any, kind: str) -> bool:
+  """Whether `value` is of `kind` (`_field_kind`): bools are not numbers, and a
+  number is finite."""
+  if value is None:
+    return kind.startswith("None or ")
+  if isinstance(value, (bool, np.bool_)):
+    return kind.endswith("True or False")
+  if kind.endswith("an integer"):
+    return isinstance(value, (int, np.integer))
+  if kind.endswith("a finite number"):
+    return isinstance(value, (int, float, np.integer, np.floating)) and math.isfinite(
+        value)
+  return isinstance(value, str) if kind.endswith("a string") else False
 
 
 def participation_warning(config: ExperimentConfig) -> str | None:
@@ -712,11 +771,32 @@ def check_algorithm(algorithm: str | Builder, config: ExperimentConfig) -> None:
   once with a placeholder model; nothing is compiled)."""
   check_algorithm_keys(config, [algorithm])
   builder, optimizer, keywords = _builder_arguments(algorithm, config)
-  built = builder(models.MLP(2), client_optimizer(**optimizer), **keywords)
+  name = _algorithm_name(algorithm)
+  for key, value in keywords.items():
+    _check_magnitude(builder, name, key, value)
+  try:
+    opt = client_optimizer(**optimizer)
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"optimizers[{name!r}]: {e}") from None
+  built = builder(models.MLP(2), opt, **keywords)
   dp = _dp(algorithm, config)
   if dp is not None:
     privacy_lib.private(built, *dp[1:], name=dp[0])
   check_byzantine_bound(algorithm, config)
+
+
+def _check_magnitude(builder: Builder, name: str, key: str, value: Any) -> None:
+  """Raises ValueError unless a builder keyword's `value` is a finite number of
+  magnitude at most `MAX_MAGNITUDE` where it is a number or its default is."""
+  try:
+    default = inspect.signature(builder).parameters[key].default
+  except (KeyError, TypeError, ValueError):
+    default = None
+  number = lambda v: isinstance(v, (int, float, np.number)) and not isinstance(v, bool)
+  if (number(value) or number(default)) and not (number(value)
+                                                 and abs(value) <= MAX_MAGNITUDE):
+    raise ValueError(f"hyperparameters[{name!r}]: {key} must be a finite number of "
+                     f"magnitude at most {MAX_MAGNITUDE:g}, got {value!r}.")
 
 
 def check_byzantine_bound(algorithm: str | Builder, config: ExperimentConfig) -> None:
@@ -761,6 +841,22 @@ def _check_grid(seeds: Sequence[int], swept: str | None, values: Sequence[float]
                      f"got {list(values)!r}.")
 
 
+def check_sweep(algorithm: str | Builder, config: ExperimentConfig,
+                seeds: Sequence[int], hyperparameter: str | None = None,
+                values: Sequence[float] = ()) -> None:
+  """Raises ValueError for seeds outside `[0, 2**31)`, a hyperparameter `algorithm`
+  cannot sweep, or a value of it that `check_algorithm` refuses; nothing is
+  compiled."""
+  builder = resolve_builder(algorithm) if isinstance(algorithm, str) else algorithm
+  _check_grid(seeds, hyperparameter, values, builder)
+  name = _algorithm_name(algorithm)
+  table = "optimizers" if hyperparameter == "lr" else "hyperparameters"
+  for value in values:
+    entries = {k: dict(v) for k, v in getattr(config, table).items()}
+    entries.setdefault(name, {})[hyperparameter] = value
+    check_algorithm(algorithm, dataclasses.replace(config, **{table: entries}))
+
+
 class _Grid:
   """A sweep ready to run: the plan's programs and the runs' placed inputs."""
 
@@ -770,8 +866,7 @@ class _Grid:
                new_setup: Callable[[int], Setup] | None = None):
     check_config(config)
     check_algorithm_keys(config, [algorithm])
-    builder = resolve_builder(algorithm) if isinstance(algorithm, str) else algorithm
-    _check_grid(seeds, swept, values, builder)
+    check_sweep(algorithm, config, seeds, swept, values)
     check_heterogeneous(algorithm, config)
     check_byzantine_bound(algorithm, config)
     if mesh is not None and config.heterogeneous:
@@ -838,6 +933,22 @@ def _round_records(t: int, metrics: engine.RoundMetrics, clients: np.ndarray
           for r in range(losses.shape[0])]
 
 
+def _check_not_all_dropped(t: int, metrics: engine.RoundMetrics, grid: "_Grid",
+                           name: str) -> None:
+  """Raises ValueError naming the run when every participant of round `t` was
+  dropped (the run diverges: there is nothing to aggregate)."""
+  took_part, healthy = (sharding.to_host(x)[:, grid.clients]
+                        for x in (metrics.took_part, metrics.healthy))
+  for r, (value, seed) in enumerate(grid.runs):
+    if took_part[r].any() and not healthy[r].any():
+      swept = "" if value is None else f" {grid.plan.build.swept}={value:g}"
+      raise ValueError(
+          f"round {t + 1} of {name} seed {seed}{swept}: every participant was "
+          "dropped (its upload not finite or an outlier, or its training loss not "
+          f"finite or beyond {engine.MAX_LOSS:g}): the training diverges; lower lr "
+          "or set grad_clip (faulty_clients > 0 allows empty rounds).")
+
+
 def _execute(grid: _Grid, name: str, config: ExperimentConfig,
              on_round: Callable[[int, list[records.RoundRecord]], None] | None,
              checkpoint: checkpoint_lib.Checkpointer | None) -> list[records.RunRecord]:
@@ -852,6 +963,8 @@ def _execute(grid: _Grid, name: str, config: ExperimentConfig,
   started = time.perf_counter()
   for t in range(first, config.rounds):
     carry, metrics = grid.round(carry, t)
+    if not config.faulty_clients:
+      _check_not_all_dropped(t, metrics, grid, name)
     rounds = _round_records(t, metrics, grid.clients)
     if (t + 1) % config.eval_every == 0 or t + 1 == config.rounds:
       correct = grid.evaluate(carry)[0]
@@ -940,7 +1053,8 @@ def sweep(algorithm: str | Builder, config: ExperimentConfig, seeds: Sequence[in
       os.path.join(checkpoint_dir, checkpoint_lib.file_name(name, grid.runs)),
       checkpoint_every, resume, template=grid.template,
       experiment={**dataclasses.asdict(config), "algorithm": name,
-                  "runs": [[v, s] for v, s in grid.runs]}, rounds=config.rounds)
+                  "runs": [[v, s] for v, s in grid.runs]}, rounds=config.rounds,
+      start=grid.start, clients=config.clients)
   return _execute(grid, name, config, on_round, checkpoint or None)
 
 

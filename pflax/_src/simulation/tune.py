@@ -39,6 +39,7 @@ from pflax._src.data import split as split_lib
 from pflax._src.methods import algorithm as alg
 from pflax._src.simulation import engine
 from pflax._src.simulation import groups as groups_lib
+from pflax._src.simulation import plots
 from pflax._src.simulation import records
 from pflax._src.simulation import simulate
 from pflax._src.training import losses as losses_lib
@@ -614,7 +615,7 @@ class TuneRecord:
     """The path as a matplotlib figure (`plot_tuning`), written to `path` if given."""
     fig = plot_tuning(self)
     if path:
-      fig.savefig(path, dpi=120)
+      plots.save_figure(fig, path, 120)
     return fig
 
 
