@@ -21,7 +21,10 @@ _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 # state, the round's inputs, the clients' zero outputs, one client's training,
 # the in-place write of a client's result, the server step and the evaluation;
 # and the two programs that make the run's seed into keys.
-_LOOP_PROGRAMS = 9
+_FIRST_ALGORITHM = 9
+# A second algorithm whose clients' results have the same shapes shares the
+# zero outputs and the in-place write (before issue 30: 7 programs).
+_NEXT_ALGORITHM = 5
 
 
 @contextlib.contextmanager
@@ -56,7 +59,11 @@ def test_a_small_run_compiles_a_fixed_number_of_programs():
                                      batch_size=8, strategy="loop")
   jax.clear_caches()
   engine.cached_programs.cache_clear()
+  model, dataset = _Mlp(), _dataset()
   with _counting_compiles() as compiled:
-    simulate.sweep("fedavg", config, [0, 1], dataset=_dataset(), model=_Mlp())
+    simulate.sweep("fedavg", config, [0, 1], dataset=dataset, model=model)
   # More rounds and a second seed compile nothing more.
-  assert len(compiled) == _LOOP_PROGRAMS
+  assert len(compiled) == _FIRST_ALGORITHM
+  with _counting_compiles() as compiled:
+    simulate.sweep("fedprox", config, [0, 1], dataset=dataset, model=model)
+  assert len(compiled) == _NEXT_ALGORITHM
