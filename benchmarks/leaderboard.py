@@ -14,7 +14,8 @@ every seed.
 The whole leaderboard writes a Markdown table (`--out`) of pflax's best test
 accuracy over the evaluated rounds (the personalized models', mean and standard
 deviation over the seeds) next to PFLlib's published numbers. `--slice` times
-a round of each sweep (the rounds after the first, so compilation is left out)
+a round of each sweep (the rounds after the first and before the last, so
+compilation and the final evaluation are left out)
 and projects the whole leaderboard's time at 2,000 rounds: the sum over
 algorithms and settings of seconds per round times 2,000.
 """
@@ -52,7 +53,10 @@ def sweep_row(algorithm: str, setting: str, config: simulate.ExperimentConfig,
   ends = []
   runs = simulate.sweep(algorithm, config, list(seeds),
                         on_round=lambda t, rounds: ends.append(time.perf_counter()))
-  per_round = ((ends[-1] - ends[0]) / (len(ends) - 1) if len(ends) > 1
+  # Rounds 2 to R - 1: the first compiles the round, the last evaluates (and
+  # compiles the evaluation when it is the first to evaluate).
+  timed = ends[:-1] if len(ends) > 2 else ends
+  per_round = ((timed[-1] - timed[0]) / (len(timed) - 1) if len(timed) > 1
                else float("nan"))
   accuracies = [best_accuracy(r) for r in runs]
   return {"algorithm": algorithm, "setting": setting, "seeds": len(seeds),

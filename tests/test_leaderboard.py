@@ -27,7 +27,7 @@ def _leaderboard():
 def test_one_command_runs_both_settings_and_writes_the_table(tmp_path):
   board = _leaderboard()
   out, report = tmp_path / "table.md", tmp_path / "slice.json"
-  board.main(["--slice", "--quick", "--rounds", "2", "--samples-per-client", "20",
+  board.main(["--slice", "--quick", "--rounds", "3", "--samples-per-client", "20",
               "--algorithms", "fedavg", "fedper", "--json", str(report),
               "--out", str(out)])
   rows = json.loads(report.read_text())["rows"]
@@ -35,10 +35,10 @@ def test_one_command_runs_both_settings_and_writes_the_table(tmp_path):
       ("fedavg", "pathological"), ("fedper", "pathological"),
       ("fedavg", "dirichlet"), ("fedper", "dirichlet")]
   for row in rows:
-    assert row["seeds"] == 3 and row["rounds"] == 2 and row["seconds_per_round"] > 0
+    assert row["seeds"] == 3 and row["rounds"] == 3 and row["seconds_per_round"] > 0
     assert 0.0 <= row["accuracy_mean"] <= 100.0
   projected = json.loads(report.read_text())["projected_hours"]
   assert projected == pytest.approx(
       sum(r["seconds_per_round"] for r in rows) * 2000 / 3600)
   table = out.read_text()
-  assert "| fedper | dirichlet | 2 |" in table and "| 97.44 |" in table
+  assert "| fedper | dirichlet | 3 |" in table and "| 97.44 |" in table
