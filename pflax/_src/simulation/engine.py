@@ -70,16 +70,6 @@ FAULT_KINDS = ("nan", "scaled", "inflated_counts")
 DEFAULT_FAULT_SCALES = {"nan": 1.0, "scaled": 1e30, "inflated_counts": 10.0}
 """`fault_scale` of each kind when None."""
 
-LIGHT_COMPILE = {"xla_backend_optimization_level": 0,
-                 "xla_llvm_disable_expensive_passes": True}
-"""XLA options of the programs around local training (the initial state, the
-inputs of a round, the server step, the evaluation): they run once a round or
-once a run, and with the backend's expensive passes off they compile in about
-half the time, with the same results (the main job's results are unchanged)."""
-
-light_jit = functools.partial(jax.jit, compiler_options=LIGHT_COMPILE)
-"""`jax.jit` with `LIGHT_COMPILE`."""
-
 PerGroup = tuple[types.Stacked, ...]
 """One `(m_g, ...)` stacked tree per architecture group (its clients' models)."""
 
@@ -656,7 +646,7 @@ def _phase(plan: Plan, epochs: int, num_groups: int, pre: Callable[..., _Inputs]
     return jax.jit(lambda values, carry, feds, seeds, *args: per_run(whole, args)(
         values, carry, feds, seeds, *args))
 
-  @light_jit
+  @jax.jit
   def before(values, carry, feds, seeds, *args):
     inputs = per_run(lambda value, *a: pre(plan.build(value), *a), args)(
         values, carry, feds, seeds, *args)
@@ -664,7 +654,7 @@ def _phase(plan: Plan, epochs: int, num_groups: int, pre: Callable[..., _Inputs]
     client_values = tuple(jnp.repeat(values, c.x.shape[1]) for c in inputs.clients)
     return inputs._replace(clients=None), clients, client_values
 
-  @light_jit
+  @jax.jit
   def after(values, carry, inputs, results):
     results = tuple(_split_runs(r, values.shape[0]) for r in results)
     return jax.vmap(lambda value, *a: post(plan.build(value), *a))(
@@ -754,7 +744,7 @@ def build_programs(plan: Plan) -> Programs:
     return initial_carry(plan.build(value), feds[0].x[0, :1],
                          declared_counts(plan, counts, seed), seed)
 
-  starting = light_jit(jax.vmap(initial))
+  starting = jax.jit(jax.vmap(initial))
   warmup = groups.algorithm.warmup
   warm = (_phase(plan, warmup.epochs, num_groups, _warmup_inputs,
                  functools.partial(_warmup_outputs, outlier_factor=plan.outlier_factor))
@@ -769,7 +759,7 @@ def build_programs(plan: Plan) -> Programs:
                   functools.partial(_round_outputs, outlier_factor=plan.outlier_factor,
                                     fault_kind=plan.fault_kind, fault_scale=plan.scale))
   return Programs(initial=starting, init=init, round=round_,
-                  evaluate=light_jit(jax.vmap(_evaluator(plan, groups))))
+                  evaluate=jax.jit(jax.vmap(_evaluator(plan, groups))))
 
 
 cached_programs = functools.lru_cache(maxsize=32)(build_programs)
