@@ -60,7 +60,7 @@ def map_chunks(batched: Callable[..., Any], chunk_size: int, *args: Any) -> Any:
   out = jax.lax.fori_loop(0, m // c, lambda i, o: put(o, batched(*take(i * c, c)), i * c),
                           out)
   if full < m:
-    out = put(out, batched(*take(full, m - full)), full)
+    out = _put_row(out, batched(*take(full, m - full)), full)
   return out
 
 
@@ -90,45 +90,61 @@ def _loop_clients(fn: Callable[..., Any], threads: int | None) -> Callable[..., 
   so results do not depend on the number of threads.
   """
 
-  @functools.partial(jax.jit, static_argnums=0)
-  def zeros(num_clients, *args):
-    one_client = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), args)
-    return jax.tree.map(lambda s: jnp.zeros((num_clients, *s.shape), s.dtype),
-                        jax.eval_shape(fn, *one_client))
+  outputs = {}  # one client's output shapes, by the arguments' signature
+
+  def zeros(num_clients, signature, *args):
+    if signature not in outputs:
+      one_client = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
+                                args)
+      shapes = jax.eval_shape(fn, *one_client)
+      outputs[signature] = (jax.tree.structure(shapes),
+                            tuple((x.shape, x.dtype) for x in jax.tree.leaves(shapes)))
+    return _stacked_zeros(num_clients, *outputs[signature])
 
   @jax.jit
   def one(i, *args):
     return fn(*jax.tree.map(lambda a: a[i], args))
-
-  # Writing each result in place into donated stacked outputs saves a pass
-  # over fresh memory against stacking (MLP, M = 100: 420 -> 370 ms of CPU
-  # per round) or joining per-thread outputs (M = 1000: 51-62k -> 70k
-  # samples/s).
-  @functools.partial(jax.jit, donate_argnums=0)
-  def put(out, result, i):
-    return jax.tree.map(lambda o, r: jax.lax.dynamic_update_index_in_dim(o, r, i, 0),
-                        out, result)
 
   compiled = set()
 
   def loop(*args):
     m = _leading(args)
     workers = max(1, min(threads or default_threads(), m))
-    out = zeros(m, *args)
+    signature = (jax.tree.structure(args),
+                 tuple((a.shape, a.dtype) for a in jax.tree.leaves(args)))
+    out = zeros(m, signature, *args)
     # Each worker waits for its client's program: `workers` programs run at once.
     wait = jax.block_until_ready if workers > 1 else lambda x: x
     train = lambda i: wait(one(np.int32(i), *args))
-    signature = (jax.tree.structure(args),
-                 tuple((a.shape, a.dtype) for a in jax.tree.leaves(args)))
     first = 0
     if workers > 1 and signature not in compiled:  # compile once, not per worker
-      out, first = put(out, train(0), np.int32(0)), 1
+      out, first = _put_row(out, train(0), np.int32(0)), 1
       compiled.add(signature)
     for i, result in enumerate(_in_threads(train, range(first, m), workers), first):
-      out = put(out, result, np.int32(i))
+      out = _put_row(out, result, np.int32(i))
     return out
 
   return loop
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _stacked_zeros(num_clients: int, structure: Any,
+                   leaves: tuple[tuple[tuple[int, ...], Any], ...]) -> Any:
+  """Zeros of `num_clients` stacked outputs of the given one-client leaves: one
+  program per output structure, shared by every loop (and algorithm) producing it."""
+  return jax.tree.unflatten(structure, [jnp.zeros((num_clients, *shape), dtype)
+                                        for shape, dtype in leaves])
+
+
+# Writing each result in place into donated stacked outputs saves a pass over
+# fresh memory against stacking (MLP, M = 100: 420 -> 370 ms of CPU per round)
+# or joining per-thread outputs (M = 1000: 51-62k -> 70k samples/s). Module
+# level, so loops whose outputs have the same shapes share the program.
+@functools.partial(jax.jit, donate_argnums=0)
+def _put_row(out: Any, result: Any, i: Any) -> Any:
+  """`out` with client `i`'s row of every leaf set to `result`'s."""
+  return jax.tree.map(lambda o, r: jax.lax.dynamic_update_index_in_dim(o, r, i, 0),
+                      out, result)
 
 
 def _in_threads(fn: Callable[[int], Any], items: range, workers: int) -> Iterator[Any]:
