@@ -57,16 +57,12 @@ Path = tuple[str, ...]
 
 
 class Adapted:
-  """Base of the adapters: `init`/`apply` as on a linen module, equal by the
-  object they adapt (so that plans holding one compare equal)."""
+  """Base of the adapters: `init`/`apply` as on a linen module. An adapter
+  equals only itself: an instance's parameters are read when it is adapted,
+  so a later adapter of the same (possibly changed) object must not share the
+  programs compiled for an earlier one."""
   kind = ""
   source: Any
-
-  def __eq__(self, other: Any) -> bool:
-    return type(other) is type(self) and other.source is self.source
-
-  def __hash__(self) -> int:
-    return hash((type(self), id(self.source)))
 
   @property
   def name(self) -> str:
