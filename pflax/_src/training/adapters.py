@@ -410,4 +410,6 @@ def as_model(model: Any) -> Any:
 
 def model_name(model: Any) -> str:
   """The name of a model (adapted or linen), for messages."""
-  return model.name if isinstance(model, Adapted) else type(model).__name__
+  if isinstance(model, Adapted):
+    return model.name
+  return model.__name__ if isinstance(model, type) else type(model).__name__
