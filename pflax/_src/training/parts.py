@@ -237,24 +237,34 @@ def classifier_width(parts: Parts, classifier_params: types.Tree) -> int:
   return kernels[0].shape[-2]
 
 
-def _output_input(model: nn.Module, where: types.Selector) -> Representation:
-  """The input of the output layer, captured while the model runs."""
+def _linen_inputs(model: nn.Module, params: types.Tree, x: chex.Array,
+                  where: types.Selector) -> list[chex.Array]:
+  """The inputs of the layers `where` selects, captured while the model runs."""
+  seen = []
+
+  def capture(next_fun, args, kwargs, context):
+    path = tuple(context.module.path)
+    if (context.method_name == "__call__" and path
+        and where(path + ("kernel",), None)):
+      seen.append(args[0])
+    return next_fun(*args, **kwargs)
+
+  with nn.intercept_methods(capture):
+    model.apply({"params": params}, x)
+  return seen
+
+
+def _output_input(model: Any, where: types.Selector) -> Representation:
+  """The input of the output layer (linen or adapted), captured while the model runs."""
+  inputs = (model.output_input if isinstance(model, adapters.Adapted)
+            else functools.partial(_linen_inputs, model))
+
   def representation(params, x):
-    seen = []
-
-    def capture(next_fun, args, kwargs, context):
-      path = tuple(context.module.path)
-      if (context.method_name == "__call__" and path
-          and where(path + ("kernel",), None)):
-        seen.append(args[0])
-      return next_fun(*args, **kwargs)
-
-    with nn.intercept_methods(capture):
-      model.apply({"params": params}, x)
+    seen = inputs(params, x, where)
     if not seen:
       raise ValueError(
-          f"model {type(model).__name__}: parts.output selects no layer that the "
-          "model calls; declare parts.representation for FedClassAvg.")
+          f"model {adapters.model_name(model)}: parts.output selects no layer that "
+          "the model calls; declare parts.representation for FedClassAvg.")
     return seen[-1].reshape(seen[-1].shape[0], -1)
   return representation
 
@@ -266,23 +276,7 @@ def representation_fn(model: nn.Module, parts: Parts) -> Representation:
   if not callable(parts.output):
     raise ValueError("parts.representation is needed when parts.output is a mask "
                      "pytree, not a selector function.")
-  model = adapters.as_model(model)
-  if isinstance(model, adapters.Adapted):
-    return _adapted_output_input(model, parts.output)
-  return _output_input(model, parts.output)
-
-
-def _adapted_output_input(model: adapters.Adapted,
-                          where: types.Selector) -> Representation:
-  """The input of an adapted model's output layer, captured while it runs."""
-  def representation(params, x):
-    seen = model.output_input(params, x, where)
-    if not seen:
-      raise ValueError(
-          f"model {model.name}: parts.output selects no layer that the model calls; "
-          "declare parts.representation for FedClassAvg.")
-    return seen[-1].reshape(seen[-1].shape[0], -1)
-  return representation
+  return _output_input(adapters.as_model(model), parts.output)
 
 
 def resolve(model: nn.Module, parts: Parts | None, builder: str) -> Parts:
