@@ -8,7 +8,7 @@ of arrays. `as_model` gives that interface to
 - a Flax linen module: returned as it is (pflax's own path, unchanged);
 - a Flax NNX module, an instance or a constructor taking `rngs`: the
   parameters are its `nnx.Param` state as a plain nested dict keyed by
-  attribute path (`nnx.State.to_pure_dict`; a list's entries by index);
+  attribute path (`nnx.to_pure_dict`; a list's entries by index);
 - an Equinox module, an instance or a constructor taking `key`: the
   parameters are its inexact arrays as a nested dict keyed by attribute path,
   an `eqx.nn.Linear`'s `weight (K, D)` held as Flax's `kernel (D, K)` (its
@@ -150,15 +150,15 @@ class NNXModel(Adapted):
               else self.source)
     self.graphdef, params, rest = nnx.split(module, nnx.Param, ...)
     _refuse_state(self.name, rest)
-    self.keys = _key_template(params.to_pure_dict())
-    self.params = None if constructor else _with_str_keys(params.to_pure_dict())
+    self.keys = _key_template(nnx.to_pure_dict(params))
+    self.params = None if constructor else _with_str_keys(nnx.to_pure_dict(params))
 
   def init(self, key, x):
     del x
     if self.params is not None:
       return {"params": jax.tree.map(jnp.asarray, self.params)}
     _, params, _ = nnx.split(self.source(rngs=nnx.Rngs(key)), nnx.Param, ...)
-    return {"params": _with_str_keys(params.to_pure_dict())}
+    return {"params": _with_str_keys(nnx.to_pure_dict(params))}
 
   def _module(self, params: types.Tree) -> Any:
     return nnx.merge(self.graphdef, _with_keys(params, self.keys))
