@@ -1,6 +1,9 @@
-"""pflax's Flax models (``features`` and ``classifier`` submodules), and `Parts`:
-which layers of any Flax model pflax's methods read."""
+"""pflax's Flax models (``features`` and ``classifier`` submodules), `as_model`
+(any JAX model: Flax linen or NNX, Equinox, a pair of functions) and `Parts`:
+which layers of a model pflax's methods read."""
 
+from pflax._src.training.adapters import ACCEPTED
+from pflax._src.training.adapters import as_model
 from pflax._src.training.models import CNN
 from pflax._src.training.models import ConvFeatures
 from pflax._src.training.models import DenseFeatures
@@ -18,6 +21,8 @@ from pflax._src.training.parts import model_parts
 from pflax._src.training.parts import output_kernel
 
 __all__ = (
+    "ACCEPTED",
+    "as_model",
     "CNN",
     "ConvFeatures",
     "DenseFeatures",

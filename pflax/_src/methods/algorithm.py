@@ -33,6 +33,7 @@ import optax
 
 from pflax._src.core import checks
 from pflax._src.core import types
+from pflax._src.training import adapters
 from pflax._src.training import losses
 from pflax._src.training import train
 
@@ -153,8 +154,9 @@ def model_named(name: str) -> Callable[[types.Stacked], list[bool]]:
 
 
 def logits(model: nn.Module, params: types.Tree, x: chex.Array) -> chex.Array:
-  """`model`'s logits for a batch `x` with parameters `params`."""
-  return model.apply({"params": params}, x)
+  """`model`'s logits for a batch `x` with parameters `params` (`model`: any
+  kind `pflax.models.as_model` takes)."""
+  return adapters.as_model(model).apply({"params": params}, x)
 
 
 def cross_entropy_loss(model: nn.Module) -> train.LossFn:

@@ -41,6 +41,7 @@ from pflax._src.simulation import engine
 from pflax._src.simulation import groups as groups_lib
 from pflax._src.simulation import records
 from pflax._src.simulation import sharding
+from pflax._src.training import adapters
 from pflax._src.training import models
 from pflax._src.training import parts as parts_lib
 from pflax._src.training import train as train_lib
@@ -207,8 +208,9 @@ class Setup:
     if self.num_classes != fed.counts.shape[1]:
       raise ValueError(f"num_classes must be the federation's {fed.counts.shape[1]} "
                        f"classes (its class counts' width), got {self.num_classes}.")
-    parts = parts_lib.checked(self.model, self.parts, self.input_shape,
-                              self.num_classes)
+    model = adapters.as_model(self.model)
+    parts = parts_lib.checked(model, self.parts, self.input_shape, self.num_classes)
+    object.__setattr__(self, "model", model)
     object.__setattr__(self, "input_shape", tuple(self.input_shape))
     object.__setattr__(self, "parts", parts)
 
@@ -465,7 +467,7 @@ def _plan(algorithm: str | Builder, config: ExperimentConfig, setup: Setup,
                  _dp(algorithm, config))
   if config.heterogeneous and not pflax_model:
     raise ValueError("heterogeneous=True trains pflax's family of architectures; "
-                     f"it does not take a model of your own ({type(setup.model).__name__}).")
+                     f"it does not take a model of your own ({adapters.model_name(setup.model)}).")
   algorithm_ = build.member(setup.model, None)  # the builder's checks, on the host
   known = pflax_model and setup.parts is parts_lib.pflax_parts(setup.model)
   if not (known and builder in registry.BUILDERS.values()):
@@ -515,7 +517,7 @@ def _check_fits(name: str, algorithm: alg.Algorithm, setup: Setup) -> None:
     jax.eval_shape(trace, key, x, counts, batch)
   except Exception as e:  # pylint: disable=broad-except
     text = str(e).splitlines()[0] if str(e) else ""
-    raise ValueError(f"{name} cannot run on model {type(setup.model).__name__}: "
+    raise ValueError(f"{name} cannot run on model {adapters.model_name(setup.model)}: "
                      f"{type(e).__name__}: {text}") from None
 
 

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from pflax._src.core import tree as tree_lib
 from pflax._src.core import types
+from pflax._src.training import adapters
 from pflax._src.training import models as models_lib
 
 PFLAX_OUTPUT = tree_lib.under("classifier", "output")
@@ -131,10 +132,13 @@ def model_parts(model: nn.Module, input_shape: Sequence[int],
     >>> model_parts(mlp, (64,), 10).output
     pflax.tree.under('layers_2',)
   """
+  model = adapters.as_model(model)
   if is_pflax_model(model):
     return pflax_parts(model)
-  paths, params = _dense_calls(model, input_shape)
   name = type(model).__name__
+  if isinstance(model, adapters.Adapted):
+    return _adapted_parts(model, input_shape, num_classes)
+  paths, params = _dense_calls(model, input_shape)
   if not paths:
     raise ValueError(
         f"model {name} calls no flax.linen.Dense layer, so pflax cannot find its "
@@ -148,6 +152,33 @@ def model_parts(model: nn.Module, input_shape: Sequence[int],
         f"model {name}: its last Dense layer {'/'.join(path)} has {width} outputs, "
         f"expected num_classes = {num_classes}; declare the output layer with "
         "parts=pflax.models.Parts(output=pflax.tree.under(...)).")
+  return Parts(output=output)
+
+
+LINEAR_LAYERS = {"nnx": "flax.nnx.Linear", "equinox": "equinox.nn.Linear"}
+"""The layer type whose last call is an adapted model's output layer."""
+
+
+def _adapted_parts(model: adapters.Adapted, input_shape: Sequence[int],
+                   num_classes: int | None) -> Parts:
+  """An NNX or Equinox model's parts: the last linear layer it calls."""
+  found = model.linear_calls(input_shape)
+  declare = ("declare it, e.g. parts=pflax.models.Parts(output="
+             "pflax.tree.under('<output layer name>')).")
+  if found is None:
+    raise ValueError(f"model {model.name} is a pair of functions, whose layers pflax "
+                     f"cannot see, so pflax cannot find its output layer: {declare}")
+  paths, params = found
+  if not paths:
+    raise ValueError(f"model {model.name} calls no {LINEAR_LAYERS[model.kind]} layer, "
+                     f"so pflax cannot find its output layer: {declare}")
+  output = tree_lib.under(*paths[-1])
+  width = output_kernel(params, output).shape[-1]
+  if num_classes is not None and width != num_classes:
+    raise ValueError(
+        f"model {model.name}: its last {LINEAR_LAYERS[model.kind]} layer "
+        f"{'/'.join(paths[-1])} has {width} outputs, expected num_classes = "
+        f"{num_classes}; {declare}")
   return Parts(output=output)
 
 
@@ -206,24 +237,34 @@ def classifier_width(parts: Parts, classifier_params: types.Tree) -> int:
   return kernels[0].shape[-2]
 
 
-def _output_input(model: nn.Module, where: types.Selector) -> Representation:
-  """The input of the output layer, captured while the model runs."""
+def _linen_inputs(model: nn.Module, params: types.Tree, x: chex.Array,
+                  where: types.Selector) -> list[chex.Array]:
+  """The inputs of the layers `where` selects, captured while the model runs."""
+  seen = []
+
+  def capture(next_fun, args, kwargs, context):
+    path = tuple(context.module.path)
+    if (context.method_name == "__call__" and path
+        and where(path + ("kernel",), None)):
+      seen.append(args[0])
+    return next_fun(*args, **kwargs)
+
+  with nn.intercept_methods(capture):
+    model.apply({"params": params}, x)
+  return seen
+
+
+def _output_input(model: Any, where: types.Selector) -> Representation:
+  """The input of the output layer (linen or adapted), captured while the model runs."""
+  inputs = (model.output_input if isinstance(model, adapters.Adapted)
+            else functools.partial(_linen_inputs, model))
+
   def representation(params, x):
-    seen = []
-
-    def capture(next_fun, args, kwargs, context):
-      path = tuple(context.module.path)
-      if (context.method_name == "__call__" and path
-          and where(path + ("kernel",), None)):
-        seen.append(args[0])
-      return next_fun(*args, **kwargs)
-
-    with nn.intercept_methods(capture):
-      model.apply({"params": params}, x)
+    seen = inputs(params, x, where)
     if not seen:
       raise ValueError(
-          f"model {type(model).__name__}: parts.output selects no layer that the "
-          "model calls; declare parts.representation for FedClassAvg.")
+          f"model {adapters.model_name(model)}: parts.output selects no layer that "
+          "the model calls; declare parts.representation for FedClassAvg.")
     return seen[-1].reshape(seen[-1].shape[0], -1)
   return representation
 
@@ -235,7 +276,7 @@ def representation_fn(model: nn.Module, parts: Parts) -> Representation:
   if not callable(parts.output):
     raise ValueError("parts.representation is needed when parts.output is a mask "
                      "pytree, not a selector function.")
-  return _output_input(model, parts.output)
+  return _output_input(adapters.as_model(model), parts.output)
 
 
 def resolve(model: nn.Module, parts: Parts | None, builder: str) -> Parts:
@@ -245,8 +286,8 @@ def resolve(model: nn.Module, parts: Parts | None, builder: str) -> Parts:
   if is_pflax_model(model):
     return pflax_parts(model)
   raise ValueError(
-      f"{builder} reads the output layer of model {type(model).__name__}, which is "
-      "not one of pflax's models: pass parts=pflax.models.model_parts(model, "
+      f"{builder} reads the output layer of model {adapters.model_name(model)}, which "
+      "is not one of pflax's models: pass parts=pflax.models.model_parts(model, "
       "input_shape, num_classes) or parts=pflax.models.Parts(output="
       "pflax.tree.under('<output layer name>')).")
 
@@ -260,7 +301,8 @@ def checked(model: nn.Module, parts: Parts | None, input_shape: Sequence[int],
       the output layer is one `(D, K)` kernel of its parameters (checked
       abstractly: nothing is computed).
   """
-  name = type(model).__name__
+  model = adapters.as_model(model)
+  name = adapters.model_name(model)
   x = jax.ShapeDtypeStruct((2, *input_shape), jnp.float32)
   try:
     params = jax.eval_shape(model.init, jax.random.key(0), x)["params"]

@@ -1,0 +1,268 @@
+"""Any JAX model (issue 31): Flax NNX, Equinox and a pair of functions train
+every algorithm, find or declare their parts, equal a linen model with the same
+parameters, resume, tune, and are refused with messages naming the problem."""
+
+import dataclasses
+
+import equinox as eqx
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from pflax import algorithms
+from pflax import data
+from pflax import models
+from pflax import simulate
+from pflax import tree
+from pflax import tune
+
+ALGORITHMS = tuple(algorithms.BUILDERS)
+FAST = ("fedavg", "fedclassavg")
+
+CONFIG = simulate.ExperimentConfig(clients=4, rounds=2, local_epochs=1,
+                                   partition="dirichlet", dirichlet_alpha=1.0,
+                                   strategy="vmap")
+
+
+class NNXMLP(nnx.Module):
+  """The issue's NNX MLP on 8x8 digits."""
+
+  def __init__(self, rngs: nnx.Rngs):
+    self.l1 = nnx.Linear(64, 16, rngs=rngs)
+    self.l2 = nnx.Linear(16, 10, rngs=rngs)
+
+  def __call__(self, x):
+    return self.l2(nnx.relu(self.l1(x.reshape(x.shape[0], -1))))
+
+
+def nnx_cnn(rngs: nnx.Rngs) -> nnx.Sequential:
+  """An NNX CNN with Flax's default names: `layers/0` .. `layers/5`."""
+  return nnx.Sequential(
+      nnx.Conv(1, 4, (3, 3), rngs=rngs), nnx.relu,
+      lambda x: x.reshape(x.shape[0], -1),
+      nnx.Linear(256, 16, rngs=rngs), nnx.relu, nnx.Linear(16, 10, rngs=rngs))
+
+
+class EqxMLP(eqx.Module):
+  """An Equinox MLP: acts on one example, as Equinox layers do."""
+  mlp: eqx.nn.MLP
+
+  def __init__(self, key):
+    self.mlp = eqx.nn.MLP(64, 10, 16, 1, key=key)
+
+  def __call__(self, x):
+    return self.mlp(x.reshape(-1))
+
+
+@pytest.fixture(scope="module", name="digits")
+def _digits():
+  full = data.load_digits()
+  return full._replace(images=full.images[:300], labels=full.labels[:300])
+
+
+def _check(run):
+  assert len(run.history) == 2
+  assert np.isfinite(run.summary().final)
+  norms = np.asarray(run.output_norms)
+  assert norms.shape == (CONFIG.clients, 10) and np.all(norms > 0)
+
+
+MODELS = {"nnx-mlp": NNXMLP, "nnx-cnn": nnx_cnn, "eqx-mlp": EqxMLP}
+
+
+@pytest.mark.parametrize("algorithm", FAST)
+def test_an_nnx_model_trains(algorithm, digits):
+  _check(simulate.run(algorithm, CONFIG, 0, dataset=digits, model=NNXMLP))
+
+
+@pytest.mark.parametrize("algorithm", ("fedavg",))
+def test_an_equinox_model_trains(algorithm, digits):
+  _check(simulate.run(algorithm, CONFIG, 0, dataset=digits, model=EqxMLP))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", tuple(MODELS))
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_every_algorithm_trains_every_kind(algorithm, kind, digits):
+  _check(simulate.run(algorithm, CONFIG, 0, dataset=digits, model=MODELS[kind]))
+
+
+def test_the_last_linear_layer_called_is_the_output():
+  assert models.model_parts(NNXMLP, (8, 8, 1), 10).output == tree.under("l2")
+  assert models.model_parts(nnx_cnn, (8, 8, 1), 10).output == tree.under("layers", "5")
+  assert models.model_parts(EqxMLP, (8, 8, 1), 10).output == tree.under(
+      "mlp", "layers", "1")
+
+
+def test_parameters_are_plain_dicts_keyed_by_attribute_path():
+  key, x = jax.random.key(0), jnp.ones((2, 8, 8, 1))
+  nnx_params = models.as_model(nnx_cnn).init(key, x)["params"]
+  assert sorted(nnx_params["layers"]) == ["0", "3", "5"]
+  assert nnx_params["layers"]["5"]["kernel"].shape == (16, 10)
+  eqx_params = models.as_model(EqxMLP).init(key, x)["params"]
+  # an eqx.nn.Linear's weight (K, D) reads as Flax's kernel (D, K)
+  assert eqx_params["mlp"]["layers"]["1"]["kernel"].shape == (16, 10)
+  model = EqxMLP(key)
+  adapted = models.as_model(model)
+  np.testing.assert_array_equal(adapted.apply(adapted.init(key, x), x),
+                                jax.vmap(model)(x))
+
+
+def test_a_constructor_gives_each_seed_its_parameters_an_instance_its_own():
+  x = jnp.ones((1, 8, 8, 1))
+  for constructor in (NNXMLP, EqxMLP):
+    model = models.as_model(constructor)
+    first, second = (model.init(jax.random.key(s), x)["params"] for s in (0, 1))
+    assert not np.allclose(jax.tree.leaves(first)[1], jax.tree.leaves(second)[1])
+  instance = models.as_model(NNXMLP(nnx.Rngs(3)))
+  first, second = (instance.init(jax.random.key(s), x)["params"] for s in (0, 1))
+  jax.tree.map(np.testing.assert_array_equal, first, second)
+
+
+def _constant(value):
+  return lambda *_: jnp.asarray(value)
+
+
+class LinenTwin(nn.Module):
+  """A linen MLP whose parameters are given arrays (so that it starts where
+  the NNX twin does whatever the key)."""
+  start: tuple
+
+  @nn.compact
+  def __call__(self, x):
+    (b0, k0), (b1, k1) = self.start
+    x = x.reshape(x.shape[0], -1)
+    x = nn.relu(nn.Dense(16, kernel_init=_constant(k0), bias_init=_constant(b0),
+                         name="l1")(x))
+    return nn.Dense(10, kernel_init=_constant(k1), bias_init=_constant(b1),
+                    name="l2")(x)
+
+
+@pytest.mark.parametrize("algorithm", (
+    "fedavg", "cwfedavg", pytest.param("fedrema", marks=pytest.mark.slow),
+    pytest.param("ditto", marks=pytest.mark.slow)))
+def test_linen_and_nnx_models_with_the_same_parameters_give_the_same_run(
+    algorithm, digits):
+  twin = NNXMLP(nnx.Rngs(7))
+  start = tuple((np.asarray(layer.bias[...]), np.asarray(layer.kernel[...]))
+                for layer in (twin.l1, twin.l2))
+  linen, nnx_run = (simulate.run(algorithm, CONFIG, 0, dataset=digits, model=m).to_json()
+                    for m in (LinenTwin(start), twin))
+  del linen["seconds"], nnx_run["seconds"]
+  assert jax.tree.structure(linen) == jax.tree.structure(nnx_run)
+  for a, b in zip(jax.tree.leaves(linen), jax.tree.leaves(nnx_run)):
+    assert a == (pytest.approx(b, rel=1e-5, abs=1e-6) if isinstance(a, float) else b)
+
+
+class _Killed(Exception):
+  pass
+
+
+def test_a_resumed_nnx_run_equals_an_uninterrupted_one(digits, tmp_path):
+  def kill_at_round_2(record):
+    if record.round == 2:
+      raise _Killed
+
+  with pytest.raises(_Killed):
+    simulate.run("cwfedavg", CONFIG, 0, dataset=digits, model=NNXMLP,
+                 on_round=kill_at_round_2, checkpoint_dir=str(tmp_path),
+                 checkpoint_every=1)
+  rounds = []
+  resumed = simulate.run("cwfedavg", CONFIG, 0, dataset=digits, model=NNXMLP,
+                         checkpoint_dir=str(tmp_path), checkpoint_every=1, resume=True,
+                         on_round=lambda record: rounds.append(record.round))
+  whole = simulate.run("cwfedavg", CONFIG, 0, dataset=digits, model=NNXMLP)
+  assert rounds == [2]
+  drop = lambda run: {k: v for k, v in run.to_json().items() if k != "seconds"}
+  assert drop(resumed) == drop(whole)
+
+
+def test_tune_takes_an_nnx_model(digits):
+  config = dataclasses.replace(CONFIG, rounds=1)
+  task = tune.make_task("fedprox", config, ["mu"], dataset=digits, model=NNXMLP)
+  result = tune.validation_loss(task, {"mu": 0.01}, seed=0, rounds=1)
+  assert np.isfinite(result.loss)
+
+
+def test_a_pair_of_functions_trains_with_its_declared_output(digits):
+  def init_fn(key, x):
+    k1, k2 = jax.random.split(key)
+    d = int(np.prod(x.shape[1:]))
+    return {"hidden": {"kernel": jax.random.normal(k1, (d, 16)) * 0.1},
+            "out": {"kernel": jax.random.normal(k2, (16, 10)) * 0.1,
+                    "bias": jnp.zeros(10)}}
+
+  def apply_fn(params, x):
+    h = jax.nn.relu(x.reshape(x.shape[0], -1) @ params["hidden"]["kernel"])
+    return h @ params["out"]["kernel"] + params["out"]["bias"]
+
+  with pytest.raises(ValueError, match=r"pair of functions.*declare it.*Parts\(output="):
+    simulate.prepare(CONFIG, 0, dataset=digits, model=(init_fn, apply_fn))
+  run = simulate.run("cwfedavg", CONFIG, 0, dataset=digits, model=(init_fn, apply_fn),
+                     parts=models.Parts(output=tree.under("out")))
+  _check(run)
+
+
+class WithBatchNorm(nnx.Module):
+  def __init__(self, rngs):
+    self.l1 = nnx.Linear(64, 10, rngs=rngs)
+    self.norm = nnx.BatchNorm(10, rngs=rngs)
+
+  def __call__(self, x):
+    return self.norm(self.l1(x.reshape(x.shape[0], -1)))
+
+
+class EqxWithBatchNorm(eqx.Module):
+  norm: eqx.nn.BatchNorm
+
+  def __init__(self, key):
+    del key
+    self.norm = eqx.nn.BatchNorm(10, "batch")
+
+
+class NoLinear(nnx.Module):
+  def __init__(self, rngs):
+    self.w = nnx.Param(jax.random.normal(rngs.params(), (64, 10)))
+
+  def __call__(self, x):
+    return x.reshape(x.shape[0], -1) @ self.w[...]
+
+
+class ThreeOutputs(nnx.Module):
+  def __init__(self, rngs):
+    self.l1 = nnx.Linear(64, 3, rngs=rngs)
+
+  def __call__(self, x):
+    return self.l1(x.reshape(x.shape[0], -1))
+
+
+class WideInput(nnx.Module):
+  def __init__(self, rngs):
+    self.l1 = nnx.Linear(100, 10, rngs=rngs)
+
+  def __call__(self, x):
+    return self.l1(x.reshape(x.shape[0], -1))
+
+
+@pytest.mark.parametrize("model, message", [
+    ("mlp", r"model must be a flax\.linen\.Module; a flax\.nnx\.Module .* got str"),
+    (nn.Dense, r"flax\.linen\.Module class: pass an instance"),
+    (WithBatchNorm, r"holds state other than nnx\.Param \(BatchStat\).*nnx\.LayerNorm"),
+    (EqxWithBatchNorm, r"holds eqx\.nn\.State.*eqx\.nn\.LayerNorm"),
+    (NoLinear, r"calls no flax\.nnx\.Linear layer.*declare it.*Parts\(output="),
+    (ThreeOutputs, r"outputs of shape \(3,\).*num_classes = \(10,\)"),
+    (WideInput, r"model WideInput does not accept inputs of input_shape \(8, 8, 1\)"),
+], ids=["not-a-model", "linen-class", "batchnorm", "eqx-batchnorm", "no-linear",
+        "classes", "input"])
+def test_a_model_that_cannot_serve_is_refused_naming_why(model, message, digits):
+  with pytest.raises(ValueError, match=message):
+    simulate.prepare(CONFIG, 0, dataset=digits, model=model)
+
+
+def test_a_builder_called_with_an_nnx_model_asks_for_its_parts():
+  with pytest.raises(ValueError, match=r"cwfedavg reads the output layer of model NNXMLP"):
+    algorithms.cwfedavg(NNXMLP, optax.sgd(0.1))
