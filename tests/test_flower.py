@@ -260,7 +260,7 @@ def test_fedprox_sends_its_anchor_once():
     (["--sweep", "lr", "--values", "0.1"], "--sweep is for simulations"),
     (["--checkpoint-every", "2"], "--checkpoint-every is for simulations"),
     (["--resume"], "--resume is for simulations"),
-    (["--flower-timeout", "0"], "--flower-timeout must be > 0"),
+    (["--flower-timeout", "0"], r"--flower-timeout must be in \(0, 86400"),
     (["--faulty-clients", "0.1"], "--flower: --faulty-clients"),
 ])
 def test_pflax_run_flower_refuses_what_a_federation_does_not_run(flags, match,

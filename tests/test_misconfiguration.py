@@ -80,7 +80,7 @@ def test_cli_config_file_with_a_misspelt_algorithm_is_one_line(tmp_path):
      r"'wdr_coef'\?\); cwfedavg's builder takes wdr_coef, "),
     (dict(hyperparameters={"fedavg": {"mu": 0.1}}),
      r"hyperparameters\['fedavg'\]: unknown keyword 'mu'; fedavg's builder takes "
-     r"robust, trim_fraction, max_share, clip_norm\."),
+     r"robust, trim_fraction, max_share, clip_norm, num_byzantine, radius\."),
     (dict(hyperparameters={"fedavg": {"lr": 0.1}}),
      r"hyperparameters\['fedavg'\]: 'lr' is a field of the clients' optimizer: set it "
      r"in optimizers\['fedavg'\]\."),

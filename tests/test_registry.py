@@ -14,7 +14,7 @@ from pflax._src.methods import registry
 from pflax._src.simulation import simulate as simulate_lib
 
 # Modules of pflax._src.methods that are not a method.
-HELPERS = ("algorithm", "common", "heterogeneous", "phases", "registry")
+HELPERS = ("algorithm", "common", "heterogeneous", "phases", "privacy", "registry")
 
 
 def test_every_method_file_is_registered_under_its_own_name():

@@ -164,16 +164,15 @@ def test_partial_participation_leaves_absent_clients_unchanged(setup):
   assert sorted(np.flatnonzero(moved)) == sorted(chosen.tolist())
 
 
-def _poisoned(setup):
-  """`setup` with every input NaN: every upload is dropped, so each round's
-  dropped clients are exactly its participants."""
-  fed = setup.federation
-  return dataclasses.replace(setup, federation=fed._replace(x=fed.x * np.nan))
+def _every_participant_faulty(config):
+  """`config` with every participant uploading NaN (faults asked for, so empty
+  rounds are allowed): each round's dropped clients are exactly its participants."""
+  return dataclasses.replace(config, faulty_clients=0.99, fault_kind="nan")
 
 
 def test_partial_participation_draws_new_participants_every_round(setup):
   config = dataclasses.replace(CONFIG, participation=1 / 3, rounds=3)
-  record = simulate.run("local", config, 0, setup=_poisoned(setup))
+  record = simulate.run("local", _every_participant_faulty(config), 0, setup=setup)
   drawn = [h.dropped_clients for h in record.history]
   assert [len(d) for d in drawn] == [2, 2, 2]
   assert len(set(drawn)) > 1, drawn
@@ -184,8 +183,8 @@ def test_a_client_trains_alike_whoever_else_takes_part(setup):
   # round 1 with every client (its key is a function of its id, not of its
   # position among the participants).
   config = dataclasses.replace(CONFIG, participation=1 / 3, rounds=1)
-  chosen = list(simulate.run("local", config, 0,
-                             setup=_poisoned(setup)).history[0].dropped_clients)
+  chosen = list(simulate.run("local", _every_participant_faulty(config), 0,
+                             setup=setup).history[0].dropped_clients)
   assert chosen != [0, 1]  # else positions and ids coincide
   partial = simulate.run("local", config, 0, setup=setup)
   full = simulate.run("local", dataclasses.replace(config, participation=1.0), 0,

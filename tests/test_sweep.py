@@ -147,7 +147,7 @@ def test_each_swept_value_meets_the_builders_range(name, field, value, match):
 def test_any_float_keyword_of_a_builder_is_sweepable():
   from pflax import algorithms  # pylint: disable=import-outside-toplevel
   assert simulate.sweepable(algorithms.cwfedavg) == ("lr", "wdr_coef")
-  assert simulate.sweepable(algorithms.fedavg) == ("lr", "trim_fraction")
+  assert simulate.sweepable(algorithms.fedavg) == ("lr", "trim_fraction", "radius")
   assert set(simulate.sweepable(algorithms.fedclassavg)) == {
       "lr", "rho", "supcon_temperature", "supcon_base_temperature"}
 

@@ -63,8 +63,8 @@ def clip_deltas(updates: types.Stacked, clip_norm: chex.Numeric, *,
   Example:
     >>> import jax.numpy as jnp
     >>> out = clip_deltas({"w": jnp.array([[3.0, 4.0], [0.3, 0.4]])}, 1.0)
-    >>> out["w"].round(4).tolist()
-    [[0.6000000238418579, 0.800000011920929], [0.30000001192092896, 0.4000000059604645]]
+    >>> [[round(v, 4) for v in row] for row in out["w"].tolist()]
+    [[0.6, 0.8], [0.3, 0.4]]
   """
   _, mask = checks.client_params(updates, mask)
   if checks.is_concrete(clip_norm) and not clip_norm > 0:
@@ -119,8 +119,8 @@ def dp_mean(updates: types.Stacked, key: chex.PRNGKey, clip_norm: chex.Numeric,
     >>> import jax, jax.numpy as jnp
     >>> out = dp_mean({"w": jnp.array([[3.0, 4.0], [0.3, 0.4]])}, jax.random.key(0),
     ...               1.0, 0.0, 2.0)
-    >>> out["w"].round(2).tolist()
-    [0.44999998807907104, 0.6000000238418579]
+    >>> [round(v, 2) for v in out["w"].tolist()]
+    [0.45, 0.6]
   """
   if checks.is_concrete(noise_multiplier) and not noise_multiplier >= 0:
     raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier!r}.")
