@@ -85,6 +85,7 @@ def test_an_equinox_model_trains(algorithm, digits):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.parametrize("kind", tuple(MODELS))
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_every_algorithm_trains_every_kind(algorithm, kind, digits):
