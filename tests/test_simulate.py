@@ -253,14 +253,12 @@ def test_heterogeneous_fedclassavg_shares_only_the_classifier(setup):
 @pytest.mark.slow
 def test_heterogeneous_participants_are_round_p_m_of_all_clients():
   # Issue 11, 10: p = 0.25 of 8 clients in four architecture groups of 2 is 2
-  # clients (per group, max(1, round(0.5)) drew 4). Every upload is NaN, so the
-  # dropped clients are exactly the participants.
+  # clients (per group, max(1, round(0.5)) drew 4). Every participant uploads NaN,
+  # so the dropped clients are exactly the participants.
   config = dataclasses.replace(CONFIG, clients=8, rounds=2, heterogeneous=True,
                                participation=0.25)
-  het_setup = simulate.prepare(config, 0)
-  fed = het_setup.federation
-  poisoned = dataclasses.replace(het_setup, federation=fed._replace(x=fed.x * np.nan))
-  record = simulate.run("fedclassavg", config, 0, setup=poisoned)
+  record = simulate.run("fedclassavg", _every_participant_faulty(config), 0,
+                        setup=simulate.prepare(config, 0))
   assert [len(h.dropped_clients) for h in record.history] == [2, 2]
 
 

@@ -36,7 +36,8 @@ def check_mesh(mesh: jax.sharding.Mesh) -> None:
 
 
 def client_shardings(tree: Any, mesh: jax.sharding.Mesh, num_clients: int) -> Any:
-  """`NamedSharding`s of a run-stacked tree: axis 1 over the mesh's first axis.
+  """The `NamedSharding` of each leaf of a run-stacked tree: axis 1 over the
+  mesh's first axis.
 
   Leaves `(S, M, ...)` with `M = num_clients` are split over the devices of
   `mesh.axis_names[0]`; all other leaves (global models, class models,

@@ -202,7 +202,7 @@ def bytes_per_client(fn: Callable[..., Any], *args: Any) -> int:
 
   Args:
     fn: a pure function of unstacked per-client arguments.
-    *args: its arguments stacked over clients (arrays or `ShapeDtypeStruct`s).
+    *args: its arguments stacked over clients (arrays or `ShapeDtypeStruct` values).
 
   Returns:
     The estimate in bytes.
