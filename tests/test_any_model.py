@@ -3,6 +3,7 @@ every algorithm, find or declare their parts, equal a linen model with the same
 parameters, resume, tune, and are refused with messages naming the problem."""
 
 import dataclasses
+import sys
 
 import equinox as eqx
 import flax.linen as nn
@@ -180,6 +181,89 @@ def test_a_resumed_nnx_run_equals_an_uninterrupted_one(digits, tmp_path):
   assert rounds == [2]
   drop = lambda run: {k: v for k, v in run.to_json().items() if k != "seconds"}
   assert drop(resumed) == drop(whole)
+
+
+FLOWER_CONFIG = simulate.ExperimentConfig(clients=4, rounds=2, local_epochs=1,
+                                          samples_per_client=40)
+
+
+def _same_run(federated, simulated):
+  """The same rounds (accuracies of every kind, dropped clients), training losses
+  to float rounding (the server sums them in float64) and output norms."""
+  assert len(federated.history) == len(simulated.history)
+  for a, b in zip(federated.history, simulated.history):
+    assert (a.round, a.accuracies, a.dropped_clients) == (
+        b.round, b.accuracies, b.dropped_clients)
+    np.testing.assert_allclose(a.train_loss, b.train_loss, rtol=1e-5)
+  np.testing.assert_allclose(federated.output_norms, simulated.output_norms, rtol=1e-5)
+
+
+@pytest.mark.parametrize("algorithm", (
+    "fedavg", pytest.param("cwfedavg", marks=pytest.mark.slow)))
+def test_an_nnx_model_in_a_flower_federation_equals_the_simulation(algorithm):
+  """The server's records read the NNX model's own output layer (`l2`)."""
+  flower = pytest.importorskip("pflax.flower")
+  federated = flower.run_in_process(flower.Experiment(algorithm, FLOWER_CONFIG, 3,
+                                                      model=NNXMLP))
+  _same_run(federated.results().runs[0],
+            simulate.run(algorithm, FLOWER_CONFIG, 3, model=NNXMLP))
+
+
+USER_MODULE = """
+from flax import nnx
+
+class Net(nnx.Module):
+  def __init__(self, rngs):
+    self.body = nnx.Linear(64, 8, rngs=rngs)
+    self.head = nnx.Linear(8, 10, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(nnx.relu(self.body(x.reshape(x.shape[0], -1))))
+"""
+
+
+def test_a_deployed_federation_imports_the_model_from_its_import_string(
+    tmp_path, monkeypatch):
+  """`Experiment(model="module:attr")` travels as JSON; every process imports
+  it from `PFLAX_BUILDER_PATH` (as `pflax-run --flower` sets it)."""
+  flower = pytest.importorskip("pflax.flower")
+  (tmp_path / "pflax_test_user_models.py").write_text(USER_MODULE)
+  monkeypatch.setattr(sys, "path", list(sys.path))
+  monkeypatch.setenv("PFLAX_BUILDER_PATH", str(tmp_path))
+  experiment = flower.Experiment("fedavg", FLOWER_CONFIG, 0,
+                                 model="pflax_test_user_models:Net")
+  flower.write_run_config(str(tmp_path / "run.toml"), experiment)
+  received = flower.Experiment.from_json(experiment.to_json())
+  assert received == experiment
+  groups, parts = received.build((8, 8, 1), 10)
+  assert models.as_model(groups.models[0]).kind == "nnx"
+  assert parts.output == tree.under("head")
+
+
+def test_a_model_given_in_code_is_refused_where_it_cannot_travel(tmp_path):
+  flower = pytest.importorskip("pflax.flower")
+  experiment = flower.Experiment("fedavg", FLOWER_CONFIG, 0, model=NNXMLP)
+  with pytest.raises(ValueError, match=r"model is a Python object \(NNXMLP\), which "
+                     r"cannot travel.*Experiment\(model='module:attr'\)"):
+    flower.write_run_config(str(tmp_path / "run.toml"), experiment)
+  with pytest.raises(ValueError, match=r"cannot import the model 'no_such_module:Net'"):
+    dataclasses.replace(experiment, model="no_such_module:Net").build((8, 8, 1), 10)
+
+
+@pytest.mark.parametrize("server_model, node_model, message", [
+    (NNXMLP, None, r"node 1 failed to register: ValueError: the experiment runs a "
+                   r"model given in code \(NNXMLP\).*client_app\(model=\.\.\.\)"),
+    (None, NNXMLP, r"node 1 failed to register: ValueError: client_app was given a "
+                   r"model, but the server's experiment has none given in code"),
+], ids=["node-without-model", "server-without-model"])
+def test_a_node_and_a_server_that_disagree_on_the_model_are_refused(
+    server_model, node_model, message):
+  flower = pytest.importorskip("pflax.flower")
+  grid = flower.InProcessGrid(flower.in_process_nodes(
+      FLOWER_CONFIG.clients, flower.client_app(model=node_model)))
+  with pytest.raises(RuntimeError, match=message):
+    flower.run_in_process(flower.Experiment("fedavg", FLOWER_CONFIG, 0,
+                                            model=server_model), grid)
 
 
 def test_tune_takes_an_nnx_model(digits):

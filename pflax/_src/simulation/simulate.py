@@ -441,18 +441,24 @@ def _builder_arguments(algorithm: str | Builder, config: ExperimentConfig
 
 
 def build_algorithm(algorithm: str | Builder, config: ExperimentConfig,
-                    input_shape: tuple[int, ...], num_classes: int
-                    ) -> tuple[alg.Algorithm, nn.Module]:
-  """`(algorithm, model)` of an experiment, as a run builds them, for inputs of
-  `input_shape` in `num_classes` classes: with `config.heterogeneous`, the
-  algorithm over pflax's family of architectures (`Algorithm.architectures`)."""
+                    input_shape: tuple[int, ...], num_classes: int, *,
+                    model: Any = None, parts: parts_lib.Parts | None = None
+                    ) -> tuple[alg.Algorithm, Any, parts_lib.Parts]:
+  """`(algorithm, model, parts)` of an experiment, as a run builds them, for
+  inputs of `input_shape` in `num_classes` classes: with `config.heterogeneous`,
+  the algorithm over pflax's family of architectures (`Algorithm.architectures`).
+  `model` (None: `config.model`) and `parts` are as in `prepare`; the model is
+  checked against the inputs and classes, and `parts` found where not given."""
   builder, optimizer, keywords = _builder_arguments(algorithm, config)
-  model = models.get_model(_model_name(config.model, input_shape), num_classes,
-                           input_shape)
+  if model is None:
+    model = models.get_model(_model_name(config.model, input_shape), num_classes,
+                             input_shape)
+  model = adapters.as_model(model)
+  parts = parts_lib.checked(model, parts, input_shape, num_classes)
   build = _Build(builder, model, num_classes, config.clients, config.heterogeneous,
                  config.family, tuple(sorted(optimizer.items())),
-                 tuple(sorted(keywords.items())), None)
-  return build.algorithm(None), model
+                 tuple(sorted(keywords.items())), None, parts)
+  return build.algorithm(None), model, parts
 
 
 def _plan(algorithm: str | Builder, config: ExperimentConfig, setup: Setup,
