@@ -20,6 +20,7 @@ from pflax import models
 from pflax import simulate
 from pflax import tree
 from pflax import tune
+from pflax._src.simulation import simulate as simulate_lib
 
 ALGORITHMS = tuple(algorithms.BUILDERS)
 FAST = ("fedavg", "fedclassavg")
@@ -264,6 +265,73 @@ def test_a_node_and_a_server_that_disagree_on_the_model_are_refused(
   with pytest.raises(RuntimeError, match=message):
     flower.run_in_process(flower.Experiment("fedavg", FLOWER_CONFIG, 0,
                                             model=server_model), grid)
+
+
+class Shallow(nnx.Module):
+  """A body of one layer to 16 features, and the `head` of the family."""
+
+  def __init__(self, rngs):
+    self.body = nnx.Linear(64, 16, rngs=rngs)
+    self.head = nnx.Linear(16, 10, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(nnx.relu(self.body(x.reshape(x.shape[0], -1))))
+
+
+class Deep(nnx.Module):
+  """A body of two layers (another width) to 16 features, and the same `head`."""
+
+  def __init__(self, rngs, head_inputs=16):
+    self.body = nnx.Sequential(nnx.Linear(64, 32, rngs=rngs), nnx.relu,
+                               nnx.Linear(32, head_inputs, rngs=rngs))
+    self.head = nnx.Linear(head_inputs, 10, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(nnx.relu(self.body(x.reshape(x.shape[0], -1))))
+
+
+def narrow_deep(rngs):
+  """`Deep` whose head takes 8 features (not the family's 16)."""
+  return Deep(rngs, head_inputs=8)
+
+
+HETEROGENEOUS = dataclasses.replace(
+    CONFIG, heterogeneous=True,
+    hyperparameters={"fedclassavg": {"warmup_epochs": 0}})   # one program less
+
+
+def test_heterogeneous_fedclassavg_trains_a_family_of_nnx_models_sharing_the_head(
+    digits):
+  """Client i trains `[Shallow, Deep][i % 2]`, its contrastive features the
+  head's input; the algorithm shares only the `head`."""
+  _check(simulate.run("fedclassavg", HETEROGENEOUS, 0, dataset=digits,
+                      model=[Shallow, Deep]))
+  setup = simulate.prepare(HETEROGENEOUS, 0, dataset=digits, model=[Shallow, Deep])
+  assert [adapted.name for adapted, _ in setup.family] == ["Shallow", "Deep"]
+  algorithm = simulate_lib.build_algorithm("fedclassavg", HETEROGENEOUS, (8, 8, 1),
+                                           10, model=[Shallow, Deep])[0]
+  assert algorithm.architectures.shared == tree.under("head")
+  assert [m.name for m in algorithm.architectures.models] == ["Shallow", "Deep"]
+
+
+@pytest.mark.parametrize("model, change, message", [
+    ([Shallow, narrow_deep], {},
+     r"family must share their output layer \(the same path and shapes\): Shallow "
+     r"has pflax.tree.under\('head',\) \{'head/bias': \(10,\), 'head/kernel': "
+     r"\(16, 10\)\}, narrow_deep has .*'head/kernel': \(8, 10\)"),
+    ([Shallow, NNXMLP], {}, r"family must share their output layer.*NNXMLP has "
+                            r"pflax.tree.under\('l2',\)"),
+    ([Shallow, Deep], {"heterogeneous": False}, r"model is a list, a family of "
+                                                r"architectures: set heterogeneous=True"),
+    (NNXMLP, {}, r"heterogeneous=True trains pflax's family .* or yours, a list of "
+                 r"models .*it does not train one model of your own \(NNXMLP\)"),
+    ([], {}, r"model is an empty list"),
+], ids=["head-shapes", "head-paths", "not-heterogeneous", "one-model", "empty"])
+def test_a_family_that_does_not_share_its_head_is_refused(model, change, message,
+                                                          digits):
+  with pytest.raises(ValueError, match=message):
+    simulate.run("fedclassavg", dataclasses.replace(HETEROGENEOUS, **change), 0,
+                 dataset=digits, model=model)
 
 
 def test_tune_takes_an_nnx_model(digits):

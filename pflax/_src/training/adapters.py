@@ -36,6 +36,7 @@ has no layers to find and declares its `pflax.models.Parts`.
 
 import dataclasses
 import inspect
+import types as types_lib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -70,7 +71,9 @@ class Adapted:
     source = self.source
     if isinstance(source, tuple):
       return getattr(source[1], "__name__", "apply_fn")
-    return source.__name__ if isinstance(source, type) else type(source).__name__
+    if isinstance(source, (type, types_lib.FunctionType)):
+      return source.__name__
+    return type(source).__name__
 
   def init(self, key: chex.PRNGKey, x: chex.Array) -> dict[str, types.Tree]:
     raise NotImplementedError
