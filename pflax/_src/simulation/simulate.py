@@ -382,8 +382,7 @@ def _federation(config: ExperimentConfig, seed: int,
 
 
 def prepare(config: ExperimentConfig, seed: int, *, dataset: Data | None = None,
-            model: nn.Module | None = None,
-            parts: parts_lib.Parts | None = None) -> Setup:
+            model: Any = None, parts: Any = None) -> Setup:
   """An experiment's clients and model, checked against each other (NumPy data).
 
   Args:
@@ -394,8 +393,12 @@ def prepare(config: ExperimentConfig, seed: int, *, dataset: Data | None = None,
       `config.test_split` says (by default each client's data 75/25); or a
       prepared `pflax.data.Federation`, used as it is. None: `config.dataset`
       loaded (`pflax.data.load`).
-    model: any Flax model; None: `config.model` (pflax's CNN or MLP).
-    parts: the model's `pflax.models.Parts`; None: found from the model.
+    model: any model `pflax.models.as_model` takes (Flax linen or NNX,
+      Equinox, a pair of functions), or a list of them sharing their output
+      layer (a family, with `heterogeneous=True`); None: `config.model`
+      (pflax's CNN or MLP).
+    parts: the model's `pflax.models.Parts` (for a family, one for all or a
+      list of one per member); None: found from the model.
 
   Returns:
     The `Setup`.
@@ -1126,8 +1129,9 @@ def sweep(algorithm: str | Builder, config: ExperimentConfig, seeds: Sequence[in
     dataset: your data: a `pflax.data.Dataset` (e.g. `pflax.data.from_arrays`),
       partitioned by `config` for each seed, or a prepared
       `pflax.data.Federation`; None: `config.dataset`.
-    model: your Flax model (None: `config.model`); `parts` declares its
-      output layer etc. where it cannot be found (`pflax.models.Parts`).
+    model: your model, or a list of models for `heterogeneous=True`, as in
+      `prepare` (None: `config.model`); `parts` declares its output layer etc.
+      where it cannot be found (`pflax.models.Parts`).
 
   Returns:
     One `RunRecord` per (value, seed), values outer. `seconds` is the sweep's
