@@ -401,19 +401,61 @@ class WideInput(nnx.Module):
     return self.l1(x.reshape(x.shape[0], -1))
 
 
+class EqxLinear(eqx.Module):
+  """One `eqx.nn.Linear` from `inputs` features to `outputs` logits."""
+  linear: eqx.nn.Linear
+
+  def __init__(self, key, inputs=64, outputs=10):
+    self.linear = eqx.nn.Linear(inputs, outputs, key=key)
+
+  def __call__(self, x):
+    return self.linear(x.reshape(-1))
+
+
+def _linear_pair(inputs: int, outputs: int):
+  """A pair of functions: one affine layer from `inputs` to `outputs`."""
+  def init_fn(key, x):
+    del x
+    return {"out": {"kernel": jax.random.normal(key, (inputs, outputs)),
+                    "bias": jnp.zeros(outputs)}}
+
+  def apply_linear(params, x):
+    return x.reshape(x.shape[0], -1) @ params["out"]["kernel"] + params["out"]["bias"]
+  return init_fn, apply_linear
+
+
 @pytest.mark.parametrize("model, message", [
     ("mlp", r"model must be a flax\.linen\.Module; a flax\.nnx\.Module .* got str"),
+    (object(), r"model must be .*or a pair \(init_fn, apply_fn\).* got object"),
+    ((NNXMLP, NNXMLP, NNXMLP), r"model must be .* got tuple"),
+    (lambda key: EqxLinear(key, outputs=3),
+     r"model <lambda> gives outputs of shape \(3,\) per example, expected "
+     r"num_classes = \(10,\)"),
+    (lambda key: EqxLinear(key, inputs=100),
+     r"model <lambda> does not accept inputs of input_shape \(8, 8, 1\)"),
+    (_linear_pair(64, 3), r"model apply_linear gives outputs of shape \(3,\)"),
+    (_linear_pair(100, 10),
+     r"model apply_linear does not accept inputs of input_shape \(8, 8, 1\)"),
     (nn.Dense, r"flax\.linen\.Module class: pass an instance"),
     (WithBatchNorm, r"holds state other than nnx\.Param \(BatchStat\).*nnx\.LayerNorm"),
     (EqxWithBatchNorm, r"holds eqx\.nn\.State.*eqx\.nn\.LayerNorm"),
     (NoLinear, r"calls no flax\.nnx\.Linear layer.*declare it.*Parts\(output="),
     (ThreeOutputs, r"outputs of shape \(3,\).*num_classes = \(10,\)"),
     (WideInput, r"model WideInput does not accept inputs of input_shape \(8, 8, 1\)"),
-], ids=["not-a-model", "linen-class", "batchnorm", "eqx-batchnorm", "no-linear",
-        "classes", "input"])
+], ids=["not-a-model", "an-object", "three-models", "eqx-classes", "eqx-input",
+        "pair-classes", "pair-input", "linen-class", "batchnorm", "eqx-batchnorm",
+        "no-linear", "classes", "input"])
 def test_a_model_that_cannot_serve_is_refused_naming_why(model, message, digits):
   with pytest.raises(ValueError, match=message):
     simulate.prepare(CONFIG, 0, dataset=digits, model=model)
+
+
+def test_a_flower_node_refuses_a_model_that_does_not_fit_its_data():
+  flower = pytest.importorskip("pflax.flower")
+  with pytest.raises(RuntimeError, match=r"node 1 failed to register: ValueError: model "
+                     r"ThreeOutputs gives outputs of shape \(3,\) per example"):
+    flower.run_in_process(flower.Experiment("fedavg", FLOWER_CONFIG, 0,
+                                            model=ThreeOutputs))
 
 
 def test_a_builder_called_with_an_nnx_model_asks_for_its_parts():
