@@ -300,18 +300,33 @@ HETEROGENEOUS = dataclasses.replace(
     hyperparameters={"fedclassavg": {"warmup_epochs": 0}})   # one program less
 
 
+@pytest.mark.slow
 def test_heterogeneous_fedclassavg_trains_a_family_of_nnx_models_sharing_the_head(
     digits):
   """Client i trains `[Shallow, Deep][i % 2]`, its contrastive features the
-  head's input; the algorithm shares only the `head`."""
+  head's input."""
   _check(simulate.run("fedclassavg", HETEROGENEOUS, 0, dataset=digits,
                       model=[Shallow, Deep]))
+
+
+def test_a_family_of_nnx_models_shares_only_its_head(digits):
   setup = simulate.prepare(HETEROGENEOUS, 0, dataset=digits, model=[Shallow, Deep])
   assert [adapted.name for adapted, _ in setup.family] == ["Shallow", "Deep"]
   algorithm = simulate_lib.build_algorithm("fedclassavg", HETEROGENEOUS, (8, 8, 1),
                                            10, model=[Shallow, Deep])[0]
   assert algorithm.architectures.shared == tree.under("head")
   assert [m.name for m in algorithm.architectures.models] == ["Shallow", "Deep"]
+
+
+@pytest.mark.slow
+def test_a_family_of_nnx_models_in_a_flower_federation_equals_the_simulation():
+  flower = pytest.importorskip("pflax.flower")
+  config = dataclasses.replace(FLOWER_CONFIG, heterogeneous=True,
+                               hyperparameters=HETEROGENEOUS.hyperparameters)
+  federated = flower.run_in_process(flower.Experiment("fedclassavg", config, 2,
+                                                      model=[Shallow, Deep]))
+  _same_run(federated.results().runs[0],
+            simulate.run("fedclassavg", config, 2, model=[Shallow, Deep]))
 
 
 @pytest.mark.parametrize("model, change, message", [

@@ -28,8 +28,8 @@ def _append_builder_path() -> None:
 
 
 def _imported(name: str, field: str) -> Any:
-  """The object a `"module:attr"` import string names (after `BUILDER_PATH`)."""
-  _append_builder_path()
+  """The object a `"module:attr"` import string names (`BUILDER_PATH` appended
+  to `sys.path` first)."""
   module, _, attr = name.partition(":")
   if not (module and attr):
     raise ValueError(f"{field} given as a string must be 'module:attr', got {name!r}.")
