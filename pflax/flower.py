@@ -17,6 +17,12 @@ what `flwr run` submits to your SuperLink, `write_certificates` and
 `write_node_key` its TLS certificates and SuperNode keys; start each SuperNode with
 `--node-config 'partition-id=I'`, and give `client_app` your own data function
 for clients that hold their own data (README, "A real federation with Flower").
+
+Your own model (any kind `pflax.models.as_model` takes, or a list of them for
+heterogeneous clients): `Experiment(..., model=MyModel)` in one process
+(`run_in_process` gives it to the nodes' `client_app(model=...)`), or
+`Experiment(..., model="mymodels:MyModel")`, an import string that every
+process of a deployed federation imports (docs/models.md).
 """
 
 from pflax._src.flower.wire import from_record  # first: Flower's install check

@@ -89,3 +89,35 @@ def test_pflax_run_flower_writes_the_simulations_results(engine, tmp_path):
   assert (federated["runs"][0]["personalized_accuracy"]
           == simulated["runs"][0]["personalized_accuracy"])
   assert (tmp_path / "f" / "accuracy.png").exists()
+
+
+USER_MODULE = """
+from flax import nnx
+
+class Net(nnx.Module):
+  def __init__(self, rngs):
+    self.body = nnx.Linear(64, 8, rngs=rngs)
+    self.head = nnx.Linear(8, 10, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(nnx.relu(self.body(x.reshape(x.shape[0], -1))))
+"""
+
+
+def test_a_deployed_federation_trains_an_nnx_model_named_by_an_import_string(
+    tmp_path, monkeypatch):
+  """The import string travels with the experiment; the server and every node
+  import it from `PFLAX_BUILDER_PATH`, and the rounds equal the simulation's."""
+  (tmp_path / "pflax_deployed_user_models.py").write_text(USER_MODULE)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  from pflax_deployed_user_models import Net  # pylint: disable=import-error,import-outside-toplevel
+  config = dataclasses.replace(CONFIG, clients=3, rounds=2)
+  experiment = flower.Experiment("fedavg", config, 1,
+                                 model="pflax_deployed_user_models:Net")
+  with flower.LocalFederation(config.clients,
+                              env={"PFLAX_BUILDER_PATH": str(tmp_path)}) as federation:
+    results = federation.run(experiment, str(tmp_path / "out"))
+  simulated = simulate.run("fedavg", config, 1, model=Net)
+  _same_run(results.runs[0], simulated)
+  np.testing.assert_allclose(results.runs[0].output_norms, simulated.output_norms,
+                             rtol=1e-5)

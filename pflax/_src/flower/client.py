@@ -7,6 +7,7 @@ group's model. The optimizer state a client keeps between rounds (FedReMa's
 momentum) stays in its `Context`.
 """
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -54,21 +55,12 @@ def simulated_partition(context: "flwr_app.Context",
   the experiment's seed): client `partition-id`'s rows. Every node prepares the
   same partition and keeps its own part, as `pflax.simulate` splits the data."""
   client = client_id(context)
-  federation = _simulated_federation(experiment.to_json())
+  federation = _simulated_federation(
+      dataclasses.replace(experiment, model=None, parts=None).to_json())
   if not 0 <= client < federation.x.shape[0]:
     raise ValueError(f"partition-id must be in [0, {federation.x.shape[0]}), got "
                      f"{client}.")
   return federation.client(client)
-
-
-@functools.lru_cache(maxsize=8)
-def _groups(experiment_json: str, input_shape: tuple[int, ...], num_classes: int
-            ) -> groups_lib.Groups:
-  """The experiment's `Groups`, once per experiment and process, so that the
-  clients of one process (in-process grids, Ray actors) share their compiled
-  programs."""
-  return experiment_lib.Experiment.from_json(experiment_json).groups(input_shape,
-                                                                     num_classes)
 
 
 def _templates(groups: groups_lib.Groups, client: int, input_shape: tuple[int, ...],
@@ -91,10 +83,11 @@ class _Client:
   experiment)."""
 
   def __init__(self, experiment: experiment_lib.Experiment,
-               data: federation_lib.ClientData, client: int):
+               data: federation_lib.ClientData, client: int,
+               groups: Callable[[tuple[int, ...], int], groups_lib.Groups]):
     self.experiment, self.data, self.client = experiment, data, client
     self.input_shape = tuple(int(d) for d in data.x.shape[1:])
-    groups = _groups(experiment.to_json(), self.input_shape, data.num_classes)
+    groups = groups(self.input_shape, data.num_classes)
     g, _ = groups.position(client)
     self.member, self.model = groups.members[g], groups.models[g]
     shapes = jax.eval_shape(lambda: _templates(groups, client, self.input_shape,
@@ -109,21 +102,36 @@ class _Client:
         "tests": int(np.sum(self.data.test_mask))})
 
 
-def client_app(data: ClientDataFn = simulated_partition) -> "flwr_clientapp.ClientApp":
+def client_app(data: ClientDataFn = simulated_partition, model: Any = None,
+               parts: Any = None) -> "flwr_clientapp.ClientApp":
   """A Flower ClientApp training pflax's algorithms (see the module docstring).
 
   Args:
     data: the node's own data, `data(context, experiment) -> ClientData`
       (default: its client of the simulated partition).
+    model, parts: the model and its `pflax.models.Parts` that the server's
+      `Experiment` was given in code (objects do not travel: each node is
+      given the same); None where the experiment names none or imports them
+      (`"module:attr"`).
   """
   app = flwr_clientapp.ClientApp()
   clients: dict[tuple[str, int], _Client] = {}
 
+  @functools.lru_cache(maxsize=8)
+  def groups(text: str, input_shape: tuple[int, ...], num_classes: int
+             ) -> groups_lib.Groups:
+    """The experiment's `Groups`, once per experiment in this app, so that the
+    clients of one process (in-process grids, Ray actors) share their compiled
+    programs."""
+    experiment = experiment_lib.Experiment.from_json(text, model, parts)
+    return experiment.build(input_shape, num_classes)[0]
+
   def experiment_client(context, text: str) -> _Client:
     key = (text, client_id(context))
     if key not in clients:
-      experiment = experiment_lib.Experiment.from_json(text)
-      clients[key] = _Client(experiment, data(context, experiment), key[1])
+      experiment = experiment_lib.Experiment.from_json(text, model, parts)
+      clients[key] = _Client(experiment, data(context, experiment), key[1],
+                             functools.partial(groups, text))
     return clients[key]
 
   def current(context) -> _Client:

@@ -154,7 +154,12 @@ def write_run_config(path: str, experiment: experiment_lib.Experiment,
     experiment: the algorithm, configuration and seed the server runs.
     out: where the server writes `results.json` after every round ("": not).
     timeout: seconds the server waits for a round's replies.
+
+  Raises:
+    ValueError: for an experiment whose model or parts are Python objects
+      (they travel as `"module:attr"` import strings only).
   """
+  experiment.check_travels()
   with open(path, "w", encoding="utf-8") as f:
     f.write(f"experiment = {json.dumps(experiment.to_json())}\n"
             f"out = {json.dumps(out)}\ntimeout = {float(timeout)}\n")

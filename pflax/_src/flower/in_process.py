@@ -86,17 +86,25 @@ def in_process_nodes(num_clients: int, app: Any = None,
           for i in range(num_clients)}
 
 
+def _given(value: Any) -> Any:
+  """A model or parts given in code (None for an import string, which travels)."""
+  return None if isinstance(value, str) else value
+
+
 def run_in_process(experiment: experiment_lib.Experiment,
                    grid: InProcessGrid | None = None) -> server_lib.PflaxStrategy:
   """Runs `experiment` through `PflaxStrategy` and `client_app()` in this process
-  (`InProcessGrid`, default: one node per client); returns the strategy, whose
-  `results()` hold the run."""
+  (`InProcessGrid`, default: one node per client, whose `client_app` is given
+  the experiment's model and parts); returns the strategy, whose `results()`
+  hold the run."""
   from flwr.supercore import task_identity  # pylint: disable=import-outside-toplevel
   identity = task_identity.TaskIdentity
   previous = (identity._run_id, identity._node_id, identity._task_id)  # pylint: disable=protected-access
   identity.run_id, identity.node_id, identity.task_id = 1, 0, 0
   try:
-    grid = grid or InProcessGrid(in_process_nodes(experiment.config.clients))
+    grid = grid or InProcessGrid(in_process_nodes(
+        experiment.config.clients, client_lib.client_app(model=_given(experiment.model),
+                                                         parts=_given(experiment.parts))))
     strategy = server_lib.PflaxStrategy(experiment)
     strategy.start(grid, timeout=0.0)
     return strategy

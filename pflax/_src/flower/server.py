@@ -55,6 +55,7 @@ class PflaxStrategy(flwr_strategy.Strategy):
     self.history: list[records.RoundRecord] = []
     self.bytes_per_round: list[dict[str, int]] = []
     self.groups = None                       # the algorithm, once registered
+    self.parts = None                        # the model's parts, once registered
     self._started: float | None = None
     self._state: Any = None
     self._tasks: protocol.Tasks | None = None
@@ -128,7 +129,8 @@ class PflaxStrategy(flwr_strategy.Strategy):
     self.class_counts = np.array([r.class_counts for r in registered.values()],
                                  np.int32)
     self.tests = np.array([r.tests for r in registered.values()], np.int64)
-    self.groups = self.experiment.groups(self.input_shape, self.class_counts.shape[1])
+    self.groups, self.parts = self.experiment.build(self.input_shape,
+                                                    self.class_counts.shape[1])
     self._state = engine.initial_state(
         self.groups, np.zeros((1, *self.input_shape), np.float32), self.class_counts,
         self.experiment.seed)
@@ -310,7 +312,7 @@ class PflaxStrategy(flwr_strategy.Strategy):
     return records.RunRecord(algorithm=self.experiment.algorithm, seed=self.experiment.seed,
                              history=tuple(self.history), seconds=seconds,
                              output_norms=np.asarray(engine.client_output_norms(
-                                 self.groups, held)))
+                                 self.groups, held, self.parts.output)))
 
   def results(self) -> records.Results:
     """The run as the `results.json` of `pflax-run` (its `config` with a "flower"

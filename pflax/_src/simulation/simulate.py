@@ -21,10 +21,13 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
 from pflax._src.core import prng
+from pflax._src.core import tree as tree_lib
+from pflax._src.core import types as core_types
 from pflax._src.data import arrays as arrays_lib
 from pflax._src.data import datasets
 from pflax._src.data import dirichlet as dirichlet_lib
@@ -176,29 +179,95 @@ class ExperimentConfig:
   dp_delta: float = 1e-5
 
 
+Family = tuple[tuple[Any, parts_lib.Parts], ...]
+"""A family of architectures of your own (`heterogeneous=True`): each adapted
+model with its parts."""
+
+
+def _head(model: Any, where: core_types.Selector, input_shape: tuple[int, ...]
+          ) -> dict[str, tuple[int, ...]]:
+  """`{path: shape}` of the parameters of `model` that `where` selects."""
+  x = jax.ShapeDtypeStruct((1, *input_shape), jnp.float32)
+  params = jax.eval_shape(model.init, jax.random.key(0), x)["params"]
+  return {"/".join(tree_lib.path_names(path)): tuple(leaf.shape) for path, leaf
+          in jax.tree_util.tree_leaves_with_path(tree_lib.selected(params, where))}
+
+
+def _family(members: Sequence[Any], parts: Any, input_shape: tuple[int, ...],
+            num_classes: int) -> Family:
+  """Each member of a family, adapted, with its checked parts.
+
+  Raises:
+    ValueError: for an empty family, a list of parts of another length, or
+      members whose output layers differ in path or shape.
+  """
+  if not members:
+    raise ValueError("model is an empty list: a family of architectures needs at "
+                     "least one model.")
+  if parts is None or isinstance(parts, parts_lib.Parts):
+    parts = [parts] * len(members)
+  if len(parts) != len(members):
+    raise ValueError(f"parts must be one Parts or a list of one per model of the "
+                     f"family ({len(members)}), got {len(parts)}.")
+  family = []
+  for member, member_parts in zip(members, parts):
+    member = adapters.as_model(member)
+    family.append((member, parts_lib.checked(member, member_parts, input_shape,
+                                             num_classes)))
+  shared = family[0][1].output
+  heads = [_head(m, shared, input_shape) for m, _ in family]
+  for (member, member_parts), head in zip(family[1:], heads[1:]):
+    if head != heads[0] or member_parts.output != shared:
+      raise ValueError(
+          "the models of a heterogeneous family must share their output layer (the "
+          f"same path and shapes): {adapters.model_name(family[0][0])} has "
+          f"{shared} {heads[0]}, {adapters.model_name(member)} has "
+          f"{member_parts.output} {_head(member, member_parts.output, input_shape)}.")
+  return tuple(family)
+
+
+def checked_models(model: Any, parts: Any, input_shape: tuple[int, ...],
+                   num_classes: int) -> tuple[Any, parts_lib.Parts, Family | None]:
+  """`(model, parts, family)` of a model (`family` None) or of a list of models,
+  a family (`model` and `parts` its first member's), each adapted
+  (`pflax.models.as_model`) and checked against the inputs and classes."""
+  if isinstance(model, list):
+    family = _family(model, parts, tuple(input_shape), num_classes)
+    return (*family[0], family)
+  model = adapters.as_model(model)
+  return model, parts_lib.checked(model, parts, input_shape, num_classes), None
+
+
 @dataclasses.dataclass(frozen=True)
 class Setup:
   """A prepared federation (host arrays) with its model, checked against each other.
 
   Attributes:
     federation: the clients' data (`pflax.data.federate`).
-    model: any Flax model mapping `(B, *input_shape)` to `(B, num_classes)`
-      logits.
+    model: any model `pflax.models.as_model` takes, mapping
+      `(B, *input_shape)` to `(B, num_classes)` logits; or a list of them, a
+      family of architectures sharing their output layer (`heterogeneous=True`),
+      after construction its first member.
     input_shape: one example's shape (the federation's).
     num_classes: K (the federation's class counts' width).
-    parts: the model's `pflax.models.Parts`; None: found by
-      `pflax.models.model_parts` (pflax's models by name, any other by its
-      last Dense layer).
+    parts: the model's `pflax.models.Parts` (for a family, one for every member
+      or a list of one per member); None: found by `pflax.models.model_parts`
+      (pflax's models by name, any other by its last linear layer). After
+      construction, the (first) model's parts.
+    family: after construction, every member of a family with its parts; None
+      for one model.
 
   Raises:
     ValueError: at construction, when the model, `input_shape`, `num_classes`
-      and the federation disagree.
+      and the federation disagree, or the members of a family do not share
+      their output layer.
   """
   federation: federation_lib.Federation
-  model: nn.Module
+  model: Any
   input_shape: tuple[int, ...]
   num_classes: int
-  parts: parts_lib.Parts | None = None
+  parts: Any = None
+  family: Family | None = None
 
   def __post_init__(self):
     fed = self.federation
@@ -208,11 +277,12 @@ class Setup:
     if self.num_classes != fed.counts.shape[1]:
       raise ValueError(f"num_classes must be the federation's {fed.counts.shape[1]} "
                        f"classes (its class counts' width), got {self.num_classes}.")
-    model = adapters.as_model(self.model)
-    parts = parts_lib.checked(model, self.parts, self.input_shape, self.num_classes)
+    model, parts, family = checked_models(self.model, self.parts, self.input_shape,
+                                          self.num_classes)
     object.__setattr__(self, "model", model)
     object.__setattr__(self, "input_shape", tuple(self.input_shape))
     object.__setattr__(self, "parts", parts)
+    object.__setattr__(self, "family", family)
 
 
 def client_optimizer(optimizer: str = "sgd", lr: float = 0.05, momentum: float = 0.0,
@@ -312,8 +382,7 @@ def _federation(config: ExperimentConfig, seed: int,
 
 
 def prepare(config: ExperimentConfig, seed: int, *, dataset: Data | None = None,
-            model: nn.Module | None = None,
-            parts: parts_lib.Parts | None = None) -> Setup:
+            model: Any = None, parts: Any = None) -> Setup:
   """An experiment's clients and model, checked against each other (NumPy data).
 
   Args:
@@ -324,8 +393,12 @@ def prepare(config: ExperimentConfig, seed: int, *, dataset: Data | None = None,
       `config.test_split` says (by default each client's data 75/25); or a
       prepared `pflax.data.Federation`, used as it is. None: `config.dataset`
       loaded (`pflax.data.load`).
-    model: any Flax model; None: `config.model` (pflax's CNN or MLP).
-    parts: the model's `pflax.models.Parts`; None: found from the model.
+    model: any model `pflax.models.as_model` takes (Flax linen or NNX,
+      Equinox, a pair of functions), or a list of them sharing their output
+      layer (a family, with `heterogeneous=True`); None: `config.model`
+      (pflax's CNN or MLP).
+    parts: the model's `pflax.models.Parts` (for a family, one for all or a
+      list of one per member); None: found from the model.
 
   Returns:
     The `Setup`.
@@ -388,20 +461,28 @@ class _Build:
   num_classes: int
   num_clients: int
   heterogeneous: bool
-  family: str
+  family: str | Family
   optimizer: tuple[tuple[str, Any], ...]
   hyperparameters: tuple[tuple[str, Any], ...]
   swept: str | None
   parts: parts_lib.Parts | None = None
   dp: tuple[str, float, float, float] | None = None
 
+  def _parts(self, model: Any) -> parts_lib.Parts | None:
+    """The parts of `model`: a member's of your family, the model's own, or None
+    (pflax's family members find their own)."""
+    if not isinstance(self.family, str):
+      return next(p for m, p in self.family if m is model)
+    return self.parts if model == self.model else None
+
   def member(self, model: nn.Module, value: Any) -> alg.Algorithm:
     """The algorithm of the clients of `model`."""
     opt, kw = dict(self.optimizer), dict(self.hyperparameters)
     if value is not None and self.swept is not None:
       (opt if self.swept == "lr" else kw)[self.swept] = value
-    if self.parts is not None and model == self.model and _takes_parts(self.builder):
-      kw.setdefault("parts", self.parts)   # heterogeneous members find their own
+    parts = self._parts(model)
+    if parts is not None and _takes_parts(self.builder):
+      kw.setdefault("parts", parts)
     built = self.builder(model, client_optimizer(**opt), **kw)
     if self.dp is None:
       return built
@@ -409,13 +490,17 @@ class _Build:
     return privacy_lib.private(built, clip, z, expected, name)
 
   def algorithm(self, value: Any) -> alg.Algorithm:
-    """The algorithm of all clients: over pflax's family of architectures
-    (`pflax.algorithms.heterogeneous`) for `heterogeneous`."""
+    """The algorithm of all clients: for `heterogeneous`, over pflax's family of
+    architectures or yours, sharing their output layer
+    (`pflax.algorithms.heterogeneous`)."""
     build = functools.partial(self.member, value=value)
-    if self.heterogeneous:
+    if not self.heterogeneous:
+      return build(self.model)
+    if isinstance(self.family, str):
       return heterogeneous_lib.heterogeneous(build, models.FAMILIES[self.family](
           self.num_classes))
-    return build(self.model)
+    return heterogeneous_lib.heterogeneous(build, [m for m, _ in self.family],
+                                           shared=self.family[0][1].output)
 
   def __call__(self, value: Any) -> groups_lib.Groups:
     return groups_lib.as_groups(self.algorithm(value), self.model, self.num_clients)
@@ -441,18 +526,42 @@ def _builder_arguments(algorithm: str | Builder, config: ExperimentConfig
 
 
 def build_algorithm(algorithm: str | Builder, config: ExperimentConfig,
-                    input_shape: tuple[int, ...], num_classes: int
-                    ) -> tuple[alg.Algorithm, nn.Module]:
-  """`(algorithm, model)` of an experiment, as a run builds them, for inputs of
-  `input_shape` in `num_classes` classes: with `config.heterogeneous`, the
-  algorithm over pflax's family of architectures (`Algorithm.architectures`)."""
+                    input_shape: tuple[int, ...], num_classes: int, *,
+                    model: Any = None, parts: parts_lib.Parts | None = None
+                    ) -> tuple[alg.Algorithm, Any, parts_lib.Parts]:
+  """`(algorithm, model, parts)` of an experiment, as a run builds them, for
+  inputs of `input_shape` in `num_classes` classes: with `config.heterogeneous`,
+  the algorithm over pflax's family of architectures (`Algorithm.architectures`).
+  `model` (None: `config.model`) and `parts` are as in `prepare`; the model is
+  checked against the inputs and classes, and `parts` found where not given."""
   builder, optimizer, keywords = _builder_arguments(algorithm, config)
-  model = models.get_model(_model_name(config.model, input_shape), num_classes,
-                           input_shape)
+  if model is None:
+    model = models.get_model(_model_name(config.model, input_shape), num_classes,
+                             input_shape)
+  model, parts, family = checked_models(model, parts, input_shape, num_classes)
+  _check_family(config, model, family)
   build = _Build(builder, model, num_classes, config.clients, config.heterogeneous,
-                 config.family, tuple(sorted(optimizer.items())),
-                 tuple(sorted(keywords.items())), None)
-  return build.algorithm(None), model
+                 family or config.family, tuple(sorted(optimizer.items())),
+                 tuple(sorted(keywords.items())), None, parts)
+  return build.algorithm(None), model, parts
+
+
+def _check_family(config: ExperimentConfig, model: Any, family: Family | None
+                  ) -> None:
+  """Raises ValueError unless heterogeneous clients train pflax's family (with
+  pflax's model) or yours, and only they train a family."""
+  if family is not None and not config.heterogeneous:
+    raise ValueError("model is a list, a family of architectures: set "
+                     "heterogeneous=True, or give one model.")
+  if family is not None and config.family != "cnn":
+    raise ValueError(f"family={config.family!r} names one of pflax's families; "
+                     "model is a list, your own family: leave family at its default.")
+  if family is None and config.heterogeneous and not parts_lib.is_pflax_model(model):
+    raise ValueError(
+        "heterogeneous=True trains pflax's family of architectures (family=...) or "
+        "yours, a list of models sharing their output layer (model=[ModelA, "
+        f"ModelB, ...]); it does not train one model of your own "
+        f"({adapters.model_name(model)}).")
 
 
 def _plan(algorithm: str | Builder, config: ExperimentConfig, setup: Setup,
@@ -460,14 +569,12 @@ def _plan(algorithm: str | Builder, config: ExperimentConfig, setup: Setup,
   """The engine's plan of an experiment (host checks of the builder included)."""
   builder, optimizer, keywords = _builder_arguments(algorithm, config)
   pflax_model = parts_lib.is_pflax_model(setup.model)
+  _check_family(config, setup.model, setup.family)
   build = _Build(builder, setup.model, setup.num_classes, num_clients,
-                 config.heterogeneous, config.family,
+                 config.heterogeneous, setup.family or config.family,
                  tuple(sorted(optimizer.items())),
                  tuple(sorted(keywords.items())), swept, setup.parts,
                  _dp(algorithm, config))
-  if config.heterogeneous and not pflax_model:
-    raise ValueError("heterogeneous=True trains pflax's family of architectures; "
-                     f"it does not take a model of your own ({adapters.model_name(setup.model)}).")
   algorithm_ = build.member(setup.model, None)  # the builder's checks, on the host
   known = pflax_model and setup.parts is parts_lib.pflax_parts(setup.model)
   if not (known and builder in registry.BUILDERS.values()):
@@ -1022,8 +1129,9 @@ def sweep(algorithm: str | Builder, config: ExperimentConfig, seeds: Sequence[in
     dataset: your data: a `pflax.data.Dataset` (e.g. `pflax.data.from_arrays`),
       partitioned by `config` for each seed, or a prepared
       `pflax.data.Federation`; None: `config.dataset`.
-    model: your Flax model (None: `config.model`); `parts` declares its
-      output layer etc. where it cannot be found (`pflax.models.Parts`).
+    model: your model, or a list of models for `heterogeneous=True`, as in
+      `prepare` (None: `config.model`); `parts` declares its output layer etc.
+      where it cannot be found (`pflax.models.Parts`).
 
   Returns:
     One `RunRecord` per (value, seed), values outer. `seconds` is the sweep's

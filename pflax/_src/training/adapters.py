@@ -36,6 +36,7 @@ has no layers to find and declares its `pflax.models.Parts`.
 
 import dataclasses
 import inspect
+import types as types_lib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -67,10 +68,9 @@ class Adapted:
   @property
   def name(self) -> str:
     """The adapted model's name, for messages."""
-    source = self.source
-    if isinstance(source, tuple):
-      return getattr(source[1], "__name__", "apply_fn")
-    return source.__name__ if isinstance(source, type) else type(source).__name__
+    if isinstance(self.source, tuple):
+      return getattr(self.source[1], "__name__", "apply_fn")
+    return model_name(self.source)
 
   def init(self, key: chex.PRNGKey, x: chex.Array) -> dict[str, types.Tree]:
     raise NotImplementedError
@@ -409,7 +409,12 @@ def as_model(model: Any) -> Any:
 
 
 def model_name(model: Any) -> str:
-  """The name of a model (adapted or linen), for messages."""
+  """The name of a model (adapted, linen, a class, a constructor function, or
+  a list of them), for messages."""
   if isinstance(model, Adapted):
     return model.name
-  return model.__name__ if isinstance(model, type) else type(model).__name__
+  if isinstance(model, list):
+    return f"[{', '.join(map(model_name, model))}]"
+  if isinstance(model, (type, types_lib.FunctionType)):
+    return model.__name__
+  return type(model).__name__
