@@ -1,10 +1,13 @@
 """pflax in real Flower federations on this machine (slow): Flower's deployment
 engine (a SuperLink and one SuperNode process per client on 127.0.0.1) and its
 simulation engine give exactly `pflax.simulate`'s rounds; a SuperNode killed
-mid-run is dropped without harming the others; `pflax-run --flower`."""
+mid-run is dropped without harming the others, one that hangs costs one timeout
+a round, one killed and restarted with its key trains again, a round without
+any reply stops the run; `pflax-run --flower`."""
 
 import dataclasses
 import json
+import time
 
 import numpy as np
 import pytest
@@ -29,6 +32,27 @@ def _same_run(federated, simulated):
     assert (a.round, a.accuracies, a.dropped_clients) == (
         b.round, b.accuracies, b.dropped_clients)
     np.testing.assert_allclose(a.train_loss, b.train_loss, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def jax_cache(tmp_path_factory):
+  """JAX's persistent compilation cache for a federation's processes (each
+  message starts a ClientApp process): the first round fills it."""
+  return {"JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax-cache")),
+          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+
+
+def _timed_run(federation, experiment, out, timeout, at_round):
+  """Runs `experiment`, calling `at_round(done)` whenever a round is recorded;
+  returns its run and the time at which each round was recorded (from the
+  start)."""
+  started, times = time.monotonic(), []
+
+  def on_round(done):
+    times.append(time.monotonic() - started)
+    at_round(done)
+  run = federation.run(experiment, out, timeout=timeout, on_round=on_round).runs[0]
+  return run, times
 
 
 @pytest.fixture(scope="module")
@@ -89,3 +113,57 @@ def test_pflax_run_flower_writes_the_simulations_results(engine, tmp_path):
   assert (federated["runs"][0]["personalized_accuracy"]
           == simulated["runs"][0]["personalized_accuracy"])
   assert (tmp_path / "f" / "accuracy.png").exists()
+
+
+def test_a_hanging_supernode_costs_one_timeout_a_round(jax_cache, tmp_path):
+  """SuperNode 1 hangs (SIGSTOP, with its client app) as soon as round 1 is
+  recorded. Rounds 2 and 3 wait for its train reply once (or not at all once the
+  SuperLink takes it for offline) and do not ask it to evaluate: each takes
+  less than 1.75 timeouts (waiting twice took 2), drops client 1 and counts the
+  accuracies of clients 0 and 2, as its record says."""
+  timeout = 30.0
+  config = dataclasses.replace(CONFIG, clients=3, rounds=3)
+  with flower.LocalFederation(config.clients, env=jax_cache) as federation:
+    def hang_after_round_1(done):
+      if done == 1:
+        federation.hang_node(1)
+    run, times = _timed_run(federation, flower.Experiment("fedavg", config, 0),
+                            str(tmp_path), timeout, hang_after_round_1)
+  rounds = np.diff(times)
+  assert len(rounds) == 2 and np.all(rounds < 1.75 * timeout), times
+  assert [r.dropped_clients for r in run.history] == [(), (1,), (1,)]
+  assert [r.evaluated_clients for r in run.history] == [(0, 1, 2), (0, 2), (0, 2)]
+
+
+def test_a_round_without_any_reply_stops_the_run_naming_why(jax_cache, tmp_path):
+  """The only SuperNode hangs after round 1: round 2 has no participant left and
+  the run stops with the server's one-line reason first."""
+  config = dataclasses.replace(CONFIG, clients=1, rounds=2)
+  with flower.LocalFederation(1, env=jax_cache) as federation:
+    with pytest.raises(RuntimeError) as error:
+      federation.run(flower.Experiment("fedavg", config, 0), str(tmp_path),
+                     timeout=15.0,
+                     on_round=lambda done: done == 1 and federation.hang_node(0))
+  first = str(error.value).splitlines()[0]
+  assert first.startswith("the Flower run of fedavg stopped: RuntimeError: round 2 "
+                          "of fedavg seed 0 (Flower): every participant was dropped "
+                          "(no valid reply in time"), first
+
+
+def test_a_supernode_killed_and_restarted_with_its_key_trains_again(jax_cache,
+                                                                     tmp_path):
+  """SuperNode 1 is killed (SIGKILL) and started again with its key as soon as
+  round 1 is recorded. Flower 1.42 takes it back once the killed one is offline
+  for the SuperLink (at most 60 s); the server then registers it again and it
+  trains: dropped for some rounds, then aggregated and evaluated again."""
+  config = dataclasses.replace(CONFIG, clients=3, rounds=6)
+  with flower.LocalFederation(config.clients, env=jax_cache) as federation:
+    def restart_after_round_1(done):
+      if done == 1:
+        federation.restart_node(1)
+    run, _ = _timed_run(federation, flower.Experiment("fedavg", config, 0),
+                        str(tmp_path), 30.0, restart_after_round_1)
+  dropped = [1 in r.dropped_clients for r in run.history]
+  assert any(dropped) and not dropped[0] and not dropped[-1], dropped
+  assert run.history[-1].evaluated_clients == (0, 1, 2)
+  assert all(r.dropped_clients in ((), (1,)) for r in run.history)

@@ -36,6 +36,7 @@ available memory (`check_memory`).
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -218,6 +219,7 @@ def _stop(processes: list[subprocess.Popen], grace: float = 10.0) -> None:
   for p in processes:
     with contextlib.suppress(ProcessLookupError):
       os.killpg(p.pid, signal.SIGTERM)
+      os.killpg(p.pid, signal.SIGCONT)  # a stopped (hung) group handles it
   deadline = time.monotonic() + grace
   for p in processes:
     with contextlib.suppress(subprocess.TimeoutExpired):
@@ -289,6 +291,7 @@ class LocalFederation:
     self.node_env = {i: dict(v) for i, v in (node_env or {}).items()}
     self.superlink: subprocess.Popen | None = None
     self.supernodes: list[subprocess.Popen] = []
+    self._node_args: list[list[str]] = []
     self.port = 0
     self._runs = 0
     self._watchdog: subprocess.Popen | None = None
@@ -394,17 +397,24 @@ class LocalFederation:
     if certificates is not None:
       self._register(keys)
     for i, key in enumerate(keys):
-      port = free_port()
       tls = ["--insecure"] if certificates is None else [
           "--root-certificates", certificates.ca,
           "--auth-supernode-private-key", key.private]
-      node = self._start(f"supernode-{i}", [
+      self._node_args.append([
           _executable("flower-supernode"), *tls, "--superlink",
-          f"{LOOPBACK}:{self.port}", "--host", LOOPBACK, "--port", str(port),
-          "--node-config", f"partition-id={i} num-partitions={self.num_nodes}"],
-                         env=self.node_env.get(i))
-      self.supernodes.append(node)
-      _wait_for_port(port, node, self._log(f"supernode-{i}"), 60.0)
+          f"{LOOPBACK}:{self.port}", "--host", LOOPBACK,
+          "--node-config", f"partition-id={i} num-partitions={self.num_nodes}"])
+      self.supernodes.append(self._start_node(i))
+
+  def _start_node(self, i: int, log: str | None = None) -> subprocess.Popen:
+    """Starts SuperNode i (its key, if any, as before) on a new port; waits
+    until it listens. `log`: append to that file rather than a new one."""
+    port = free_port()
+    name = f"supernode-{i}"
+    node = self._start(name, [*self._node_args[i], "--port", str(port)], log,
+                       env=self.node_env.get(i))
+    _wait_for_port(port, node, self._log(name), 60.0)
+    return node
 
   def __exit__(self, *exc: Any) -> None:
     self.close()
@@ -413,6 +423,22 @@ class LocalFederation:
     """Kills SuperNode i and its ClientApp processes at once (SIGKILL)."""
     with contextlib.suppress(ProcessLookupError):
       os.killpg(self.supernodes[i].pid, signal.SIGKILL)
+    self.supernodes[i].wait()
+
+  def restart_node(self, i: int) -> None:
+    """Kills SuperNode i (`kill_node`) and starts it again with its key, its
+    log continued. Flower accepts the key again once the SuperLink takes the
+    killed node for offline: up to 60 s after its last heartbeat (Flower 1.42:
+    a 30 s heartbeat interval, 2 missed)."""
+    self.kill_node(i)
+    self.supernodes[i] = self._start_node(i, self._log(f"supernode-{i}"))
+
+  def hang_node(self, i: int, hang: bool = True) -> None:
+    """Stops SuperNode i and its ClientApp processes (SIGSTOP: a node that hangs,
+    still connected for the SuperLink until its heartbeats are missed), or
+    lets them go on (`hang=False`: SIGCONT)."""
+    with contextlib.suppress(ProcessLookupError):
+      os.killpg(self.supernodes[i].pid, signal.SIGSTOP if hang else signal.SIGCONT)
 
   def close(self) -> None:
     """Stops every process (SIGTERM, then SIGKILL) and removes a temporary
@@ -444,8 +470,9 @@ class LocalFederation:
       on_round: called with the number of rounds done whenever it grows.
 
     Raises:
-      RuntimeError: the run did not finish all its rounds (naming its results
-        so far and the logs, with the end of the run's log).
+      RuntimeError: the run did not finish all its rounds: its first line
+        names the server's error, if it raised one (`_server_error`), its
+        results so far and the logs; the end of the run's log follows.
     """
     if experiment.config.clients != self.num_nodes:
       raise ValueError(f"the experiment has clients={experiment.config.clients}, the "
@@ -468,10 +495,23 @@ class LocalFederation:
       _stop([submit])
     results = _rounds_done(path)[1]
     if results is None or len(results.runs[0].history) < experiment.config.rounds:
-      raise RuntimeError(f"the Flower run of {experiment.algorithm} did not finish "
-                         f"(its results so far: {path}; the federation's logs: "
+      why = _server_error(log)
+      raise RuntimeError(f"the Flower run of {experiment.algorithm} "
+                         f"{f'stopped: {why}' if why else 'did not finish'} (its "
+                         f"results so far: {path}; the federation's logs: "
                          f"{self.log_dir}); the end of {log}:\n{_tail(log, 25)}")
     return results
+
+
+_EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception): ")
+
+
+def _server_error(log: str) -> str | None:
+  """The last exception of a run's log as one line (`RuntimeError: why`), if
+  the ServerApp raised one."""
+  errors = [line.strip() for line in _tail(log, 200).splitlines()
+            if _EXCEPTION.match(line)]
+  return errors[-1] if errors else None
 
 
 def _rounds_done(path: str) -> tuple[int, records.Results | None]:
