@@ -156,7 +156,7 @@ def test_a_supernode_killed_and_restarted_with_its_key_trains_again(jax_cache,
   round 1 is recorded. Flower 1.42 takes it back once the killed one is offline
   for the SuperLink (at most 60 s); the server then registers it again and it
   trains: dropped for some rounds, then aggregated and evaluated again."""
-  config = dataclasses.replace(CONFIG, clients=3, rounds=6)
+  config = dataclasses.replace(CONFIG, clients=3, rounds=7)
   with flower.LocalFederation(config.clients, env=jax_cache) as federation:
     def restart_after_round_1(done):
       if done == 1:

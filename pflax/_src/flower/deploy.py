@@ -58,6 +58,9 @@ CONNECTION = "pflax-local"
 QUIET = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
 """Flower's environment switches for no telemetry and no update check."""
 
+RESTART_PAUSE = 5.0
+"""Seconds between `LocalFederation.restart_node`'s attempts."""
+
 _MIB = 2**20
 DEPLOYMENT_FIXED = 900 * _MIB
 """Peak resident memory of a deployment's fixed part: the SuperLink, its
@@ -181,6 +184,19 @@ def _wait_for_port(port: int, process: subprocess.Popen, log: str,
     time.sleep(0.2)
   raise RuntimeError(f"{_name(process)} did not listen on {LOOPBACK}:{port} within "
                      f"{timeout} s: {_tail(log)}")
+
+
+def _activated(node: subprocess.Popen, log: str, offset: int, deadline: float
+               ) -> bool:
+  """Whether the SuperNode `node` was accepted by the SuperLink (its log, past
+  `offset`, names its node id) before it exited or `deadline` passed."""
+  while time.monotonic() < deadline and node.poll() is None:
+    with open(log, encoding="utf-8", errors="replace") as f:
+      f.seek(offset)
+      if "SuperNode ID:" in f.read():
+        return True
+    time.sleep(0.5)
+  return False
 
 
 def _name(process: subprocess.Popen) -> str:
@@ -404,17 +420,17 @@ class LocalFederation:
           _executable("flower-supernode"), *tls, "--superlink",
           f"{LOOPBACK}:{self.port}", "--host", LOOPBACK,
           "--node-config", f"partition-id={i} num-partitions={self.num_nodes}"])
-      self.supernodes.append(self._start_node(i))
+      node, port = self._spawn_node(i)
+      self.supernodes.append(node)
+      _wait_for_port(port, node, self._log(f"supernode-{i}"), 60.0)
 
-  def _start_node(self, i: int, log: str | None = None) -> subprocess.Popen:
-    """Starts SuperNode i (its key, if any, as before) on a new port; waits
-    until it listens. `log`: append to that file rather than a new one."""
+  def _spawn_node(self, i: int, log: str | None = None) -> tuple[subprocess.Popen, int]:
+    """Starts SuperNode i (its key, if any, as before) on a new port: `(process,
+    port)`. `log`: append to that file rather than a new one."""
     port = free_port()
-    name = f"supernode-{i}"
-    node = self._start(name, [*self._node_args[i], "--port", str(port)], log,
-                       env=self.node_env.get(i))
-    _wait_for_port(port, node, self._log(name), 60.0)
-    return node
+    node = self._start(f"supernode-{i}", [*self._node_args[i], "--port", str(port)],
+                       log, env=self.node_env.get(i))
+    return node, port
 
   def __exit__(self, *exc: Any) -> None:
     self.close()
@@ -425,13 +441,30 @@ class LocalFederation:
       os.killpg(self.supernodes[i].pid, signal.SIGKILL)
     self.supernodes[i].wait()
 
-  def restart_node(self, i: int) -> None:
+  def restart_node(self, i: int, within: float = 120.0) -> None:
     """Kills SuperNode i (`kill_node`) and starts it again with its key, its
-    log continued. Flower accepts the key again once the SuperLink takes the
-    killed node for offline: up to 60 s after its last heartbeat (Flower 1.42:
-    a 30 s heartbeat interval, 2 missed)."""
+    log continued, until the SuperLink accepts it.
+
+    Flower 1.42 refuses the key while the killed node is online for the
+    SuperLink, up to 60 s after its last heartbeat (a 30 s interval, 2 missed):
+    the new SuperNode exits ("Failed to activate SuperNode", exit code 305), and
+    it is started again every `RESTART_PAUSE` seconds.
+
+    Raises:
+      RuntimeError: the SuperLink did not accept it within `within` seconds.
+    """
     self.kill_node(i)
-    self.supernodes[i] = self._start_node(i, self._log(f"supernode-{i}"))
+    log = self._log(f"supernode-{i}")
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+      offset = os.path.getsize(log)
+      node, _ = self._spawn_node(i, log)
+      self.supernodes[i] = node
+      if _activated(node, log, offset, deadline):
+        return
+      time.sleep(RESTART_PAUSE)
+    raise RuntimeError(f"SuperNode {i} was not accepted again within {within} s: "
+                       f"{_tail(log)}")
 
   def hang_node(self, i: int, hang: bool = True) -> None:
     """Stops SuperNode i and its ClientApp processes (SIGSTOP: a node that hangs,
