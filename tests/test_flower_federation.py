@@ -125,8 +125,9 @@ def test_a_hanging_supernode_costs_one_timeout_a_round(jax_cache, tmp_path):
   """SuperNode 1 hangs (SIGSTOP, with its client app) as soon as round 1 is
   recorded. Rounds 2 and 3 wait for its train reply once (or not at all once the
   SuperLink takes it for offline) and do not ask it to evaluate: each takes
-  less than 1.75 timeouts (waiting twice took 2), drops client 1 and counts the
-  accuracies of clients 0 and 2, as its record says."""
+  less than 1.9 timeouts (waiting twice takes at least 2; measured: 44.6 s and
+  25.6 s for a 30 s timeout on a loaded 2-core machine), drops client 1 and
+  counts the accuracies of clients 0 and 2, as its record says."""
   timeout = 30.0
   config = dataclasses.replace(CONFIG, clients=3, rounds=3)
   with flower.LocalFederation(config.clients, env=jax_cache) as federation:
@@ -136,7 +137,7 @@ def test_a_hanging_supernode_costs_one_timeout_a_round(jax_cache, tmp_path):
     run, times = _timed_run(federation, flower.Experiment("fedavg", config, 0),
                             str(tmp_path), timeout, hang_after_round_1)
   rounds = np.diff(times)
-  assert len(rounds) == 2 and np.all(rounds < 1.75 * timeout), times
+  assert len(rounds) == 2 and np.all(rounds < 1.9 * timeout), times
   assert [r.dropped_clients for r in run.history] == [(), (1,), (1,)]
   assert [r.evaluated_clients for r in run.history] == [(0, 1, 2), (0, 2), (0, 2)]
 
