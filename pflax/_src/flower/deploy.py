@@ -36,6 +36,7 @@ available memory (`check_memory`).
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -56,6 +57,9 @@ LOOPBACK = "127.0.0.1"
 CONNECTION = "pflax-local"
 QUIET = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
 """Flower's environment switches for no telemetry and no update check."""
+
+RESTART_PAUSE = 5.0
+"""Seconds between `LocalFederation.restart_node`'s attempts."""
 
 _MIB = 2**20
 DEPLOYMENT_FIXED = 900 * _MIB
@@ -187,6 +191,19 @@ def _wait_for_port(port: int, process: subprocess.Popen, log: str,
                      f"{timeout} s: {_tail(log)}")
 
 
+def _activated(node: subprocess.Popen, log: str, offset: int, deadline: float
+               ) -> bool:
+  """Whether the SuperNode `node` was accepted by the SuperLink (its log, past
+  `offset`, names its node id) before it exited or `deadline` passed."""
+  while time.monotonic() < deadline and node.poll() is None:
+    with open(log, encoding="utf-8", errors="replace") as f:
+      f.seek(offset)
+      if "SuperNode ID:" in f.read():
+        return True
+    time.sleep(0.5)
+  return False
+
+
 def _name(process: subprocess.Popen) -> str:
   """The command that `_popen` started."""
   return os.path.basename(process.args[4])
@@ -223,6 +240,7 @@ def _stop(processes: list[subprocess.Popen], grace: float = 10.0) -> None:
   for p in processes:
     with contextlib.suppress(ProcessLookupError):
       os.killpg(p.pid, signal.SIGTERM)
+      os.killpg(p.pid, signal.SIGCONT)  # a stopped (hung) group handles it
   deadline = time.monotonic() + grace
   for p in processes:
     with contextlib.suppress(subprocess.TimeoutExpired):
@@ -294,6 +312,7 @@ class LocalFederation:
     self.node_env = {i: dict(v) for i, v in (node_env or {}).items()}
     self.superlink: subprocess.Popen | None = None
     self.supernodes: list[subprocess.Popen] = []
+    self._node_args: list[list[str]] = []
     self.port = 0
     self._runs = 0
     self._watchdog: subprocess.Popen | None = None
@@ -399,17 +418,24 @@ class LocalFederation:
     if certificates is not None:
       self._register(keys)
     for i, key in enumerate(keys):
-      port = free_port()
       tls = ["--insecure"] if certificates is None else [
           "--root-certificates", certificates.ca,
           "--auth-supernode-private-key", key.private]
-      node = self._start(f"supernode-{i}", [
+      self._node_args.append([
           _executable("flower-supernode"), *tls, "--superlink",
-          f"{LOOPBACK}:{self.port}", "--host", LOOPBACK, "--port", str(port),
-          "--node-config", f"partition-id={i} num-partitions={self.num_nodes}"],
-                         env=self.node_env.get(i))
+          f"{LOOPBACK}:{self.port}", "--host", LOOPBACK,
+          "--node-config", f"partition-id={i} num-partitions={self.num_nodes}"])
+      node, port = self._spawn_node(i)
       self.supernodes.append(node)
       _wait_for_port(port, node, self._log(f"supernode-{i}"), 60.0)
+
+  def _spawn_node(self, i: int, log: str | None = None) -> tuple[subprocess.Popen, int]:
+    """Starts SuperNode i (its key, if any, as before) on a new port: `(process,
+    port)`. `log`: append to that file rather than a new one."""
+    port = free_port()
+    node = self._start(f"supernode-{i}", [*self._node_args[i], "--port", str(port)],
+                       log, env=self.node_env.get(i))
+    return node, port
 
   def __exit__(self, *exc: Any) -> None:
     self.close()
@@ -418,6 +444,39 @@ class LocalFederation:
     """Kills SuperNode i and its ClientApp processes at once (SIGKILL)."""
     with contextlib.suppress(ProcessLookupError):
       os.killpg(self.supernodes[i].pid, signal.SIGKILL)
+    self.supernodes[i].wait()
+
+  def restart_node(self, i: int, within: float = 120.0) -> None:
+    """Kills SuperNode i (`kill_node`) and starts it again with its key, its
+    log continued, until the SuperLink accepts it.
+
+    Flower 1.42 refuses the key while the killed node is online for the
+    SuperLink, up to 60 s after its last heartbeat (a 30 s interval, 2 missed):
+    the new SuperNode exits ("Failed to activate SuperNode", exit code 305), and
+    it is started again every `RESTART_PAUSE` seconds.
+
+    Raises:
+      RuntimeError: the SuperLink did not accept it within `within` seconds.
+    """
+    self.kill_node(i)
+    log = self._log(f"supernode-{i}")
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+      offset = os.path.getsize(log)
+      node, _ = self._spawn_node(i, log)
+      self.supernodes[i] = node
+      if _activated(node, log, offset, deadline):
+        return
+      time.sleep(RESTART_PAUSE)
+    raise RuntimeError(f"SuperNode {i} was not accepted again within {within} s: "
+                       f"{_tail(log)}")
+
+  def hang_node(self, i: int, hang: bool = True) -> None:
+    """Stops SuperNode i and its ClientApp processes (SIGSTOP: a node that hangs,
+    still connected for the SuperLink until its heartbeats are missed), or
+    lets them go on (`hang=False`: SIGCONT)."""
+    with contextlib.suppress(ProcessLookupError):
+      os.killpg(self.supernodes[i].pid, signal.SIGSTOP if hang else signal.SIGCONT)
 
   def close(self) -> None:
     """Stops every process (SIGTERM, then SIGKILL) and removes a temporary
@@ -449,8 +508,9 @@ class LocalFederation:
       on_round: called with the number of rounds done whenever it grows.
 
     Raises:
-      RuntimeError: the run did not finish all its rounds (naming its results
-        so far and the logs, with the end of the run's log).
+      RuntimeError: the run did not finish all its rounds: its first line
+        names the server's error, if it raised one (`_server_error`), its
+        results so far and the logs; the end of the run's log follows.
     """
     if experiment.config.clients != self.num_nodes:
       raise ValueError(f"the experiment has clients={experiment.config.clients}, the "
@@ -473,10 +533,23 @@ class LocalFederation:
       _stop([submit])
     results = _rounds_done(path)[1]
     if results is None or len(results.runs[0].history) < experiment.config.rounds:
-      raise RuntimeError(f"the Flower run of {experiment.algorithm} did not finish "
-                         f"(its results so far: {path}; the federation's logs: "
+      why = _server_error(log)
+      raise RuntimeError(f"the Flower run of {experiment.algorithm} "
+                         f"{f'stopped: {why}' if why else 'did not finish'} (its "
+                         f"results so far: {path}; the federation's logs: "
                          f"{self.log_dir}); the end of {log}:\n{_tail(log, 25)}")
     return results
+
+
+_EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception): ")
+
+
+def _server_error(log: str) -> str | None:
+  """The last exception of a run's log as one line (`RuntimeError: why`), if
+  the ServerApp raised one."""
+  errors = [line.strip() for line in _tail(log, 200).splitlines()
+            if _EXCEPTION.match(line)]
+  return errors[-1] if errors else None
 
 
 def _rounds_done(path: str) -> tuple[int, records.Results | None]:

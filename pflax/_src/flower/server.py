@@ -8,6 +8,16 @@ with the same experiment and seed. What the server computes from the uploads
 (class counts from the output layer, FedReMa's soft logits on its probe,
 FedDWA's similarities) needs no extra message: the class counts of cwFedAvg
 travel once, at registration.
+
+Faults of real nodes: a node that does not reply to a round's `train` message
+(it hangs, or is gone) is not asked to evaluate in that round, so it costs one
+timeout per round, and the round's record names the clients its accuracies
+count (`RoundRecord.evaluated_clients`). A node that replied with an error (a
+restarted node has lost its registration), or whose node went offline, is asked
+to register again before it gets another message, once its node is online (a
+new node id may take over a client whose node is gone); the registration must
+equal its first one. A round in which every participant is dropped stops the
+run (`engine.all_dropped`), as in `pflax.simulate`.
 """
 
 import dataclasses
@@ -52,6 +62,7 @@ class PflaxStrategy(flwr_strategy.Strategy):
     self.experiment = experiment
     self.on_round = on_round
     self.nodes: dict[int, int] = {}          # client -> node id
+    self.registrations: dict[int, replies_lib.Registration] = {}
     self.history: list[records.RoundRecord] = []
     self.bytes_per_round: list[dict[str, int]] = []
     self.groups = None                       # the algorithm, once registered
@@ -59,6 +70,10 @@ class PflaxStrategy(flwr_strategy.Strategy):
     self._started: float | None = None
     self._state: Any = None
     self._tasks: protocol.Tasks | None = None
+    self._timeout = 0.0
+    self._asked: dict[int, int] = {}         # client -> node of this round's tasks
+    self._silent: set[int] = set()           # asked clients whose node did not reply
+    self._stale: set[int] = set()            # clients to register again
 
   # The clients and the initial state.
 
@@ -88,13 +103,8 @@ class PflaxStrategy(flwr_strategy.Strategy):
         `MAX_COUNT`, a client id registered twice or not at all.
     """
     nodes = self._wait_for_nodes(grid, timeout)
-    query = lambda: flwr_app.RecordDict({"config": flwr_app.ConfigRecord(
-        {"experiment": self.experiment.to_json()})})
-    replies = grid.send_and_receive(
-        [flwr_app.Message(content=query(), dst_node_id=n, message_type=wire.QUERY)
-         for n in nodes], timeout=timeout)
     registered: dict[int, replies_lib.Registration] = {}
-    for reply in replies:
+    for reply in self._query(grid, nodes, timeout):
       node = reply.metadata.src_node_id
       if reply.has_error():
         raise RuntimeError(f"node {node} failed to register: {reply.error.reason}")
@@ -115,6 +125,7 @@ class PflaxStrategy(flwr_strategy.Strategy):
       missing = sorted(set(range(self.num_clients)) - set(registered))
       raise RuntimeError(f"clients {missing} did not register within {timeout} s.")
     registered = dict(sorted(registered.items()))
+    self.registrations = registered
     self.input_shape = replies_lib.agreed(
         {c: r.input_shape for c, r in registered.items()}, "inputs of shape {}")
     replies_lib.agreed({c: len(r.class_counts) for c, r in registered.items()},
@@ -135,14 +146,80 @@ class PflaxStrategy(flwr_strategy.Strategy):
         self.groups, np.zeros((1, *self.input_shape), np.float32), self.class_counts,
         self.experiment.seed)
 
+  def _query(self, grid: "flwr_serverapp.Grid", nodes: Iterable[int],
+             timeout: float, group: str = "") -> list["flwr_app.Message"]:
+    """The replies of `nodes` to the registration query (the experiment)."""
+    query = lambda: flwr_app.RecordDict({"config": flwr_app.ConfigRecord(
+        {"experiment": self.experiment.to_json()})})
+    return list(grid.send_and_receive(
+        [flwr_app.Message(content=query(), dst_node_id=n, message_type=wire.QUERY,
+                          group_id=group) for n in nodes], timeout=timeout))
+
+  def _rejoin(self, grid: "flwr_serverapp.Grid", online: set[int],
+              server_round: int) -> None:
+    """Registers again the clients of `self._stale` and those whose node is
+    offline: their own node once it is online, and any online node that is no
+    client's (a restarted node without a key of its own gets a new node id).
+    A client whose registration is accepted (`_rejoined`) leaves `_stale`."""
+    missing = self._stale | {c for c, n in self.nodes.items() if n not in online}
+    known = set(self.nodes.values())
+    asked = ({self.nodes[c] for c in missing} & online) | (online - known)
+    self._stale = missing
+    if not missing or not asked:
+      return
+    for reply in self._query(grid, sorted(asked), self._timeout, str(server_round)):
+      try:
+        client = self._rejoined(reply, online)
+      except Exception as e:  # pylint: disable=broad-except  # whatever a node sends
+        LOG.warning("node %s: not registered again: %s", reply.metadata.src_node_id,
+                    replies_lib.reason(e))
+        continue
+      LOG.info("client %d registered again, on node %d", client,
+               reply.metadata.src_node_id)
+      self.nodes[client] = reply.metadata.src_node_id
+      self._stale.discard(client)
+
+  def _rejoined(self, reply: "flwr_app.Message", online: set[int]) -> int:
+    """The client of a registration reply that may register again: one of
+    `self._stale`, from its own node or from a new node while its own is offline,
+    with its first registration.
+
+    Raises:
+      ValueError (or whatever decoding raises): for any other reply.
+    """
+    if reply.has_error():
+      raise ValueError(f"the node failed: {reply.error.reason}")
+    client, registration = replies_lib.registration(reply.content["summary"],
+                                                    self.num_clients)
+    node, own = reply.metadata.src_node_id, self.nodes[client]
+    if client not in self._stale:
+      raise ValueError(f"it registered as client {client}, which is registered.")
+    if node != own and (own in online or node in self.nodes.values()):
+      raise ValueError(f"it registered as client {client}, node {own}'s client.")
+    if registration != self.registrations[client]:
+      raise ValueError(f"client {client} registered {registration}, first "
+                       f"{self.registrations[client]}.")
+    return client
+
+  def _note_replies(self, replies: list["flwr_app.Message"], asked: dict[int, int]
+                    ) -> None:
+    """Marks the clients of `asked` ({client: node}) whose node sent no reply as
+    `_silent`, those whose node replied with an error as `_stale`."""
+    replied = {r.metadata.src_node_id: r.has_error() for r in replies}
+    self._silent = {c for c, n in asked.items() if n not in replied}
+    self._stale |= {c for c, n in asked.items() if replied.get(n)}
+
   def _train_messages(self, grid: "flwr_serverapp.Grid", phase: str,
                       server_round: int, epochs: int) -> list["flwr_app.Message"]:
-    """A `train` message of `self._tasks` to each of its clients that is online."""
+    """A `train` message of `self._tasks` to each of its clients that is online
+    and registered (`_rejoin` first)."""
     online = set(grid.get_node_ids())
-    messages = []
+    self._rejoin(grid, online, server_round)
+    messages, self._asked = [], {}
     for i in (int(i) for i in self._tasks.clients):
-      if self.nodes[i] not in online:
+      if self.nodes[i] not in online or i in self._stale:
         continue
+      self._asked[i] = self.nodes[i]
       start, context, key = protocol.client_task(self.groups, self._tasks, i)
       content = wire.packed({"model": start, "context": context}, flwr_app.ConfigRecord({
           "client": i, "phase": phase, "key": [int(k) for k in key],
@@ -192,8 +269,9 @@ class PflaxStrategy(flwr_strategy.Strategy):
     self._tasks = protocol.warmup_tasks(self.groups, self._state, self.experiment.seed)
     messages = self._train_messages(grid, "warmup", 0,
                                     self.groups.algorithm.warmup.epochs)
-    uploads, _, _ = self._uploads(grid.send_and_receive(messages, timeout=timeout),
-                                  self._tasks.clients)
+    replies = list(grid.send_and_receive(messages, timeout=timeout))
+    self._note_replies(replies, self._asked)
+    uploads, _, _ = self._uploads(replies, self._tasks.clients)
     self._state = protocol.warmup_step(
         self.groups, self._state, uploads,
         outlier_factor=self.experiment.config.outlier_factor)
@@ -209,6 +287,7 @@ class PflaxStrategy(flwr_strategy.Strategy):
     come from the seed, as in `pflax.simulate`."""
     del initial_arrays
     self._started = time.perf_counter()
+    self._timeout = timeout
     self.register(grid, timeout)
     if self.groups.algorithm.warmup is not None:
       self.warm_up(grid, timeout)
@@ -230,6 +309,8 @@ class PflaxStrategy(flwr_strategy.Strategy):
 
   def aggregate_train(self, server_round: int, replies: Iterable["flwr_app.Message"]
                       ) -> tuple[None, "flwr_app.MetricRecord"]:
+    replies = list(replies)
+    self._note_replies(replies, self._asked)
     uploads, losses, received = self._uploads(replies, self._tasks.clients)
     self._state, healthy = protocol.server_step(
         self.groups, self._state, self._tasks, uploads,
@@ -239,6 +320,10 @@ class PflaxStrategy(flwr_strategy.Strategy):
     kept = [losses[i] for i in np.flatnonzero(healthy)]
     loss = float(np.sum(kept) / max(len(kept), 1))
     dropped = tuple(int(i) for i in np.flatnonzero(took_part & ~healthy))
+    if took_part.any() and not healthy.any():
+      raise RuntimeError(engine.all_dropped(
+          f"round {server_round} of {self.experiment.algorithm} seed "
+          f"{self.experiment.seed} (Flower)", "no valid reply in time, "))
     self.bytes_per_round[-1]["train_received"] = received
     self.history.append(records.RoundRecord(round=server_round, train_loss=loss,
                                             dropped_clients=dropped))
@@ -263,11 +348,13 @@ class PflaxStrategy(flwr_strategy.Strategy):
       return []
     held = self.groups.algorithm.evaluate(self._state)     # per group {kind: models}
     kinds, online = list(held[0]), set(grid.get_node_ids())
+    self._asked = {i: node for i, node in self.nodes.items()
+                   if node in online and i not in self._silent}
     messages = [flwr_app.Message(
         content=wire.packed(protocol.client_row(self.groups, held, i),
                             flwr_app.ConfigRecord({"client": i, "kinds": kinds})),
         dst_node_id=node, message_type=wire.EVALUATE, group_id=str(server_round))
-                for i, node in self.nodes.items() if node in online]
+                for i, node in self._asked.items()]
     self.bytes_per_round[-1]["evaluate_sent"] = sum(
         m.content["arrays"].count_bytes() for m in messages)
     return messages
@@ -281,6 +368,8 @@ class PflaxStrategy(flwr_strategy.Strategy):
     correct = {kind: np.zeros(self.num_clients, np.int64) for kind in kinds}
     tests = np.zeros(self.num_clients, np.int64)
     waiting = set(range(self.num_clients))
+    replies = list(replies)
+    self._note_replies(replies, self._asked)
     for reply in replies:
       try:
         client, tested, counts = replies_lib.evaluation(reply, kinds, waiting,
@@ -294,7 +383,9 @@ class PflaxStrategy(flwr_strategy.Strategy):
       for kind in kinds:
         correct[kind][client] = counts[kind]
     accuracies = {kind: records.Accuracy.of(c, tests) for kind, c in correct.items()}
-    self.history[-1] = dataclasses.replace(self.history[-1], accuracies=accuracies)
+    self.history[-1] = dataclasses.replace(
+        self.history[-1], accuracies=accuracies,
+        evaluated_clients=tuple(int(i) for i in np.flatnonzero(tests)))
     self._finish_round()
     return flwr_app.MetricRecord({f"{kind}_accuracy": a.accuracy
                                   for kind, a in accuracies.items()})

@@ -69,6 +69,17 @@ MAX_LOSS = 1e6
 one) marks it unhealthy (`plausible_losses`): a mean cross-entropy of 1e6 is a
 diverged model, not a measurement."""
 
+
+def all_dropped(where: str, causes: str = "") -> str:
+  """The one-line error of a round in which every participant was dropped;
+  `where` names the round and the run ("round 3 of fedavg seed 0"), `causes`
+  the setting's own causes of a drop besides the engine's health rule."""
+  return (f"{where}: every participant was dropped ({causes}its upload not finite "
+          "or an outlier, or its training loss not finite or beyond "
+          f"{MAX_LOSS:g}): the training diverges; lower lr or set grad_clip "
+          "(faulty_clients > 0 allows empty rounds).")
+
+
 FAULT_KINDS = ("nan", "scaled", "inflated_counts", "sign_flip", "gaussian", "alie",
                "ipm")
 """`fault_kind`s: NaN uploads, updates times `fault_scale`, class counts times

@@ -113,6 +113,11 @@ class RoundRecord:
     accuracies: `{kind: Accuracy}` in rounds that were evaluated, else empty.
     epsilon: under client-level DP, eps(delta) spent after this round
       (docs/privacy.md); None (and absent from the JSON) otherwise.
+    evaluated_clients: in a federation's evaluated rounds, the clients whose
+      test samples `accuracies` count (those that replied and hold test
+      samples: a node that is gone or hangs is left out); None (and absent
+      from the JSON) where every client with test samples is counted, as in
+      `pflax.simulate`.
   """
   round: int
   train_loss: float
@@ -120,6 +125,7 @@ class RoundRecord:
   faulty_clients: tuple[int, ...] = ()
   accuracies: Mapping[str, Accuracy] = dataclasses.field(default_factory=dict)
   epsilon: float | None = None
+  evaluated_clients: tuple[int, ...] | None = None
 
   def accuracy(self, kind: str = "personalized") -> float | None:
     """The round's `kind` accuracy, None if not evaluated."""
@@ -135,6 +141,8 @@ class RoundRecord:
                   f"{kind}_client_std": acc.client_std})
     if self.epsilon is not None:
       out["epsilon"] = self.epsilon
+    if self.evaluated_clients is not None:
+      out["evaluated_clients"] = list(self.evaluated_clients)
     return out
 
   @classmethod
@@ -145,7 +153,12 @@ class RoundRecord:
                                  d.get(f"{kind}_client_std", float("nan")))
                   for kind in alg.EVALUATED if f"{kind}_accuracy" in d}
     return cls(d["round"], d["train_loss"], tuple(d.get("dropped_clients", ())),
-               tuple(d.get("faulty_clients", ())), accuracies, d.get("epsilon"))
+               tuple(d.get("faulty_clients", ())), accuracies, d.get("epsilon"),
+               _clients(d.get("evaluated_clients")))
+
+
+def _clients(listed: Sequence[int] | None) -> tuple[int, ...] | None:
+  return None if listed is None else tuple(int(i) for i in listed)
 
 
 @dataclasses.dataclass(frozen=True)

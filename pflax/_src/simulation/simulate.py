@@ -1051,11 +1051,8 @@ def _check_not_all_dropped(t: int, metrics: engine.RoundMetrics, grid: "_Grid",
   for r, (value, seed) in enumerate(grid.runs):
     if took_part[r].any() and not healthy[r].any():
       swept = "" if value is None else f" {grid.plan.build.swept}={value:g}"
-      raise ValueError(
-          f"round {t + 1} of {name} seed {seed}{swept}: every participant was "
-          "dropped (its upload not finite or an outlier, or its training loss not "
-          f"finite or beyond {engine.MAX_LOSS:g}): the training diverges; lower lr "
-          "or set grad_clip (faulty_clients > 0 allows empty rounds).")
+      raise ValueError(engine.all_dropped(f"round {t + 1} of {name} seed "
+                                          f"{seed}{swept}"))
 
 
 def _execute(grid: _Grid, name: str, config: ExperimentConfig,
