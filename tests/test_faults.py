@@ -239,7 +239,8 @@ ACCURACY_CONFIG = simulate.ExperimentConfig(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [
+    n if n in FAST else pytest.param(n, marks=pytest.mark.extended) for n in NAMES])
 def test_a_fifth_faulty_clients_cost_a_few_points(name):
   setup = simulate.prepare(ACCURACY_CONFIG, 0)
   clean = simulate.run(name, ACCURACY_CONFIG, 0, setup=setup)

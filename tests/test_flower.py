@@ -21,6 +21,11 @@ from pflax._src.simulation import engine  # pylint: disable=wrong-import-positio
 CONFIG = simulate.ExperimentConfig(clients=4, rounds=3, local_epochs=1)
 
 
+def _extended(*names):
+  """`names` as parameters marked `extended`: CI's slow pass runs the others."""
+  return [pytest.param(n, marks=pytest.mark.extended) for n in names]
+
+
 def _accuracies(record, kind="personalized"):
   return [h.accuracies[kind].accuracy for h in record.history]
 
@@ -69,8 +74,8 @@ def test_a_federation_equals_the_simulation(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["local", "fedavg", "fedprox", "fedclassavg", "fedsa",
-                                  "feddwa"])
+@pytest.mark.parametrize("name", ["fedclassavg", "fedsa", *_extended(
+    "local", "fedavg", "fedprox", "feddwa")])
 def test_every_algorithm_in_a_federation_equals_the_simulation(name):
   config = dataclasses.replace(CONFIG, participation=0.5)
   federated = flower.run_in_process(flower.Experiment(name, config, seed=1))
@@ -78,8 +83,8 @@ def test_every_algorithm_in_a_federation_equals_the_simulation(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["fedper", "ditto", "fedavg_ft", "fedbabu", "fedrep",
-                                  "apfl", "moon", "fedala"])
+@pytest.mark.parametrize("name", ["ditto", "fedbabu", *_extended(
+    "fedper", "fedavg_ft", "fedrep", "apfl", "moon", "fedala")])
 def test_every_baseline_in_a_federation_equals_the_simulation(name):
   config = dataclasses.replace(CONFIG, participation=0.5)
   federated = flower.run_in_process(flower.Experiment(name, config, seed=1))

@@ -61,6 +61,7 @@ def deployment():
     yield federation
 
 
+@pytest.mark.xdist_group("deployment")   # one worker starts the shared federation
 @pytest.mark.parametrize("name", ["cwfedavg", "fedrema"])
 def test_a_deployed_federation_equals_the_simulation(deployment, name, tmp_path):
   results = deployment.run(flower.Experiment(name, CONFIG, seed=2), str(tmp_path))
@@ -134,6 +135,7 @@ class Net(nnx.Module):
 """
 
 
+@pytest.mark.extended   # minutes on 2 cores: run by hand (-m extended)
 def test_a_deployed_federation_trains_an_nnx_model_named_by_an_import_string(
     tmp_path, monkeypatch):
   """The import string travels with the experiment; the server and every node
@@ -189,6 +191,7 @@ def test_a_round_without_any_reply_stops_the_run_naming_why(jax_cache, tmp_path)
                           "(no valid reply in time"), first
 
 
+@pytest.mark.extended   # minutes on 2 cores: run by hand (-m extended)
 def test_a_supernode_killed_and_restarted_with_its_key_trains_again(jax_cache,
                                                                      tmp_path):
   """SuperNode 1 is killed (SIGKILL) and started again with its key as soon as

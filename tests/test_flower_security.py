@@ -25,7 +25,7 @@ from pflax._src.flower import guard as flower_guard  # pylint: disable=wrong-imp
 import processes  # pylint: disable=wrong-import-position
 from pflax._src.flower import keys as flower_keys  # pylint: disable=wrong-import-position
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("flower_security")]
 
 BIN = os.path.dirname(sys.executable)
 QUIET = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}

@@ -58,7 +58,7 @@ def _digits_fixture():
 
 
 @pytest.mark.parametrize("model", [
-    PlainMLP(), pytest.param(PlainCNN(), marks=pytest.mark.slow)], ids=["mlp", "cnn"])
+    PlainMLP(), pytest.param(PlainCNN(), marks=[pytest.mark.slow, pytest.mark.extended])], ids=["mlp", "cnn"])
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_every_algorithm_trains_a_plain_model(algorithm, model, digits):
   run = simulate.run(algorithm, CONFIG, 0, dataset=digits, model=model)
