@@ -27,7 +27,7 @@ def test_the_index_lists_one_page_per_public_module():
 
 
 @pytest.mark.parametrize("name", PUBLIC)
-def test_each_page_documents_its_module_from_its_all(name):
+def test_each_page_documents_its_module_from_its_sorted_all(name):
   page = (DOCS / "api" / f"{name}.rst").read_text()
   assert re.search(rf"^\.\. automodule:: pflax\.{name}$", page, re.MULTILINE)
   if name == "flower":
@@ -35,3 +35,4 @@ def test_each_page_documents_its_module_from_its_all(name):
   module = importlib.import_module(f"pflax.{name}")
   exported = list(module.__all__)
   assert exported and all(hasattr(module, n) for n in exported)
+  assert exported == sorted(exported)
