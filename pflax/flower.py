@@ -12,6 +12,9 @@ on the stacked uploads of the round; `client_app()` trains it on a node;
 - `run_in_process`: real Flower messages delivered by `InProcessGrid` in this
   process, with no SuperLink (tests, notebooks, debugging).
 
+Importing this module builds no Flower app: the apps that `pflax-run --flower` and
+`write_app` name live in `pflax._src.flower.apps`, which Flower's processes import.
+
 For a federation across machines: `write_app` and `write_run_config` make
 what `flwr run` submits to your SuperLink, `write_certificates` and
 `write_node_key` its TLS certificates and SuperNode keys; start each SuperNode with
@@ -44,11 +47,6 @@ from pflax._src.flower.deploy import write_run_config
 from pflax._src.flower.keys import write_certificates
 from pflax._src.flower.keys import write_node_key
 
-clientapp = client_app()
-"""The ClientApp of `pflax-run --flower` (its client of the simulated partition)."""
-serverapp = server_app()
-"""The ServerApp of `pflax-run --flower` (its experiment from the run config)."""
-
 __all__ = (
     "Experiment",
     "InProcessGrid",
@@ -56,13 +54,11 @@ __all__ = (
     "PflaxStrategy",
     "client_app",
     "client_id",
-    "clientapp",
     "from_record",
     "in_process_nodes",
     "pack",
     "run_in_process",
     "server_app",
-    "serverapp",
     "simulated_partition",
     "to_record",
     "unpack",

@@ -3,6 +3,8 @@ with `pflax.simulate`, dropped clients (in one process: `InProcessGrid`)."""
 
 import dataclasses
 import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -279,8 +281,8 @@ def test_the_app_and_run_config_for_flwr_run(tmp_path):
   app = flower.write_app(str(tmp_path / "app"))
   with open(os.path.join(app, "pyproject.toml"), "rb") as f:
     components = tomllib.load(f)["tool"]["flwr"]["app"]["components"]
-  assert components == {"serverapp": "pflax.flower:serverapp",
-                        "clientapp": "pflax.flower:clientapp"}
+  assert components == {"serverapp": "pflax._src.flower.apps:serverapp",
+                        "clientapp": "pflax._src.flower.apps:clientapp"}
   experiment = flower.Experiment("fedsa", CONFIG, 4)
   path = flower.write_run_config(str(tmp_path / "run.toml"), experiment, "out", 9.0)
   with open(path, "rb") as f:
@@ -312,3 +314,17 @@ def test_a_malformed_evaluation_is_dropped_not_counted():
       flower.InProcessGrid(flower.in_process_nodes(4, lying)))
   accuracy = lambda s: s.results().runs[0].history[0].accuracies["personalized"]
   assert accuracy(liar) == accuracy(silent) != accuracy(honest)
+
+
+def test_importing_pflax_flower_builds_no_app():
+  """The apps of `pflax-run --flower` are built where Flower's processes import
+  them (`pflax._src.flower.apps`), not by `import pflax.flower`."""
+  code = ("import sys, pflax.flower\n"
+          "assert 'pflax._src.flower.apps' not in sys.modules\n"
+          "assert not hasattr(pflax.flower, 'clientapp')\n"
+          "from pflax._src.flower import apps\n"
+          "from flwr.clientapp import ClientApp\n"
+          "from flwr.serverapp import ServerApp\n"
+          "assert isinstance(apps.clientapp, ClientApp)\n"
+          "assert isinstance(apps.serverapp, ServerApp)\n")
+  subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)

@@ -125,8 +125,8 @@ dependencies = []
 publisher = "pflax"
 
 [tool.flwr.app.components]
-serverapp = "pflax.flower:serverapp"
-clientapp = "pflax.flower:clientapp"
+serverapp = "pflax._src.flower.apps:serverapp"
+clientapp = "pflax._src.flower.apps:clientapp"
 
 [tool.flwr.app.config]
 experiment = "{}"
@@ -137,7 +137,8 @@ timeout = 600.0
 
 def write_app(directory: str) -> str:
   """Writes the Flower app of pflax (`pyproject.toml`: the `serverapp` and
-  `clientapp` of the installed `pflax.flower`) into `directory`; returns it.
+  `clientapp` of the installed pflax, in `pflax._src.flower.apps`) into
+  `directory`; returns it.
 
   Submit it to any SuperLink with `flwr run DIRECTORY CONNECTION --run-config
   RUN_TOML` (see `write_run_config`); every SuperNode needs pflax installed.
