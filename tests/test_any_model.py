@@ -22,6 +22,8 @@ from pflax import tree
 from pflax import tune
 from pflax._src.simulation import simulate as simulate_lib
 
+import user_models  # pylint: disable=wrong-import-position
+
 ALGORITHMS = tuple(algorithms.BUILDERS)
 FAST = ("fedavg", "fedclassavg")
 
@@ -210,25 +212,12 @@ def test_an_nnx_model_in_a_flower_federation_equals_the_simulation(algorithm):
             simulate.run(algorithm, FLOWER_CONFIG, 3, model=NNXMLP))
 
 
-USER_MODULE = """
-from flax import nnx
-
-class Net(nnx.Module):
-  def __init__(self, rngs):
-    self.body = nnx.Linear(64, 8, rngs=rngs)
-    self.head = nnx.Linear(8, 10, rngs=rngs)
-
-  def __call__(self, x):
-    return self.head(nnx.relu(self.body(x.reshape(x.shape[0], -1))))
-"""
-
-
 def test_a_deployed_federation_imports_the_model_from_its_import_string(
     tmp_path, monkeypatch):
   """`Experiment(model="module:attr")` travels as JSON; every process imports
   it from `PFLAX_BUILDER_PATH` (as `pflax-run --flower` sets it)."""
   flower = pytest.importorskip("pflax.flower")
-  (tmp_path / "pflax_test_user_models.py").write_text(USER_MODULE)
+  (tmp_path / "pflax_test_user_models.py").write_text(user_models.NNX_NET_SOURCE)
   monkeypatch.setattr(sys, "path", list(sys.path))
   monkeypatch.setenv("PFLAX_BUILDER_PATH", str(tmp_path))
   experiment = flower.Experiment("fedavg", FLOWER_CONFIG, 0,

@@ -18,6 +18,8 @@ from pflax import flower  # pylint: disable=wrong-import-position
 from pflax import simulate  # pylint: disable=wrong-import-position
 from pflax._src.cli import main as cli  # pylint: disable=wrong-import-position
 
+import user_models  # pylint: disable=wrong-import-position
+
 pytestmark = pytest.mark.slow
 
 CONFIG = simulate.ExperimentConfig(clients=4, rounds=3, local_epochs=1)
@@ -122,25 +124,12 @@ def test_pflax_run_flower_writes_the_simulations_results(engine, tmp_path):
   assert (tmp_path / "f" / "accuracy.png").exists()
 
 
-USER_MODULE = """
-from flax import nnx
-
-class Net(nnx.Module):
-  def __init__(self, rngs):
-    self.body = nnx.Linear(64, 8, rngs=rngs)
-    self.head = nnx.Linear(8, 10, rngs=rngs)
-
-  def __call__(self, x):
-    return self.head(nnx.relu(self.body(x.reshape(x.shape[0], -1))))
-"""
-
-
 @pytest.mark.extended   # minutes on 2 cores: run by hand (-m extended)
 def test_a_deployed_federation_trains_an_nnx_model_named_by_an_import_string(
     tmp_path, monkeypatch):
   """The import string travels with the experiment; the server and every node
   import it from `PFLAX_BUILDER_PATH`, and the rounds equal the simulation's."""
-  (tmp_path / "pflax_deployed_user_models.py").write_text(USER_MODULE)
+  (tmp_path / "pflax_deployed_user_models.py").write_text(user_models.NNX_NET_SOURCE)
   monkeypatch.syspath_prepend(str(tmp_path))
   from pflax_deployed_user_models import Net  # pylint: disable=import-error,import-outside-toplevel
   config = dataclasses.replace(CONFIG, clients=3, rounds=2)
