@@ -19,7 +19,7 @@ For a federation across machines: `write_app` and `write_run_config` make
 what `flwr run` submits to your SuperLink, `write_certificates` and
 `write_node_key` its TLS certificates and SuperNode keys; start each SuperNode with
 `--node-config 'partition-id=I'`, and give `client_app` your own data function
-for clients that hold their own data (README, "A real federation with Flower").
+for clients that hold their own data (docs/flower.md).
 
 Your own model (any kind `pflax.models.as_model` takes, or a list of them for
 heterogeneous clients): `Experiment(..., model=MyModel)` in one process

@@ -75,7 +75,8 @@ def test_an_outsider_that_skips_verification_lists_runs(federation):  # pylint: 
   """What docs/flower-security.md says Flower 1.42 allows: a process that skips
   certificate verification is served by the Control API (`list-runs`), since
   TLS does not authenticate the client. When Flower starts refusing it, this
-  fails: then the docs and the README can say the Control API is closed."""
+  fails: then docs/flower-security.md and docs/flower.md can say the Control API
+  is closed."""
   from flwr.proto import control_pb2  # pylint: disable=import-outside-toplevel,no-name-in-module
   script = (
       "import http.client, ssl, sys\n"

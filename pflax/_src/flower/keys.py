@@ -1,5 +1,5 @@
 """The credentials of a Flower federation with TLS and node authentication (`LocalFederation`, and the
-README's cross-machine commands): a private certificate authority, a TLS
+cross-machine commands of docs/flower.md): a private certificate authority, a TLS
 certificate of the SuperLink signed by it, and SuperNode key pairs.
 
 Every file is written with mode 0600 into a directory of mode 0700, made with
