@@ -104,7 +104,7 @@ def _rows(results: simulate.Results) -> list[str]:
 def _method_hyperparameters(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
   """Each builder's keyword defaults, overridden by the configuration's."""
   out = {}
-  for name, builder in algorithms.BUILDERS.items():
+  for name, builder in ((n, m.builder) for n, m in algorithms.METHODS.items()):
     params = inspect.signature(builder).parameters.values()
     out[name] = {p.name: p.default for p in params if p.kind == p.KEYWORD_ONLY}
     out[name].update(config.get("hyperparameters", {}).get(name, {}))

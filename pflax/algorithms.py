@@ -43,14 +43,12 @@ from pflax._src.methods.local import ClientModels
 from pflax._src.methods.local import local
 from pflax._src.methods.moon import ContrastiveModels
 from pflax._src.methods.moon import moon
-from pflax._src.methods.registry import BUILDERS
 from pflax._src.methods.registry import METHODS
 
 __all__ = (
     "AdaptiveAggregation",
     "Algorithm",
     "Architectures",
-    "BUILDERS",
     "CLASSIFIER",
     "ClassModels",
     "ClientModels",

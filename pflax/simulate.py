@@ -1,8 +1,6 @@
 """Federated simulation: configure an experiment, run it, sweep it, read, tabulate and
 plot its records."""
 
-from pflax._src.simulation.engine import output_norms
-from pflax._src.simulation.engine import participants
 from pflax._src.simulation.plots import algorithm_color
 from pflax._src.simulation.plots import plot_accuracy
 from pflax._src.simulation.plots import plot_output_norms
@@ -11,7 +9,6 @@ from pflax._src.simulation.records import Results
 from pflax._src.simulation.records import RoundRecord
 from pflax._src.simulation.records import RunRecord
 from pflax._src.simulation.records import Summary
-from pflax._src.simulation.sharding import client_shardings
 from pflax._src.simulation.simulate import ExperimentConfig
 from pflax._src.simulation.simulate import Setup
 from pflax._src.simulation.simulate import client_optimizer
@@ -31,9 +28,6 @@ __all__ = (
     "Summary",
     "algorithm_color",
     "client_optimizer",
-    "client_shardings",
-    "output_norms",
-    "participants",
     "plot_accuracy",
     "plot_output_norms",
     "prepare",

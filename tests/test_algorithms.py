@@ -33,7 +33,7 @@ import references as ref
 M, K, L = 4, 3, 4
 IMAGE = (4, 4, 1)
 MODEL = models.MLP(K, hidden=(4, 3))
-NAMES = tuple(algorithms.BUILDERS)
+NAMES = tuple(algorithms.METHODS)
 N = np.array([3, 4, 2, 4])          # training samples per client
 ABSENT = 1                          # the client left out of the partial rounds
 # Every method hyperparameter away from its default, so a wrongly wired one shows.
@@ -96,7 +96,7 @@ def _algorithm(name, grad_clip=None, lr=LR, momentum=MOMENTUM):
                                           grad_clip=grad_clip)
   else:
     optimizer = simulate.client_optimizer("sgd", lr, momentum, grad_clip=grad_clip)
-  return algorithms.BUILDERS[name](MODEL, optimizer, **KWARGS.get(name, {}))
+  return algorithms.METHODS[name].builder(MODEL, optimizer, **KWARGS.get(name, {}))
 
 
 def _init(algorithm, fed=None):

@@ -24,7 +24,7 @@ from pflax._src.simulation import simulate as simulate_lib
 
 import user_models  # pylint: disable=wrong-import-position
 
-ALGORITHMS = tuple(algorithms.BUILDERS)
+ALGORITHMS = tuple(algorithms.METHODS)
 FAST = ("fedavg", "fedclassavg")
 
 CONFIG = simulate.ExperimentConfig(clients=4, rounds=2, local_epochs=1,

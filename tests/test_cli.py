@@ -195,7 +195,7 @@ def _planted(folder, name):
   marker = folder / f"{name}.imported"
   (folder / f"{name}.py").write_text(
       f"open({str(marker)!r}, 'w').close()\n"
-      "from pflax.algorithms import BUILDERS\nfedx = BUILDERS['fedavg']\n")
+      "from pflax.algorithms import fedavg as fedx\n")
   return marker
 
 

@@ -27,7 +27,7 @@ from pflax._src.core import prng
 from pflax._src.simulation import engine
 from pflax._src.simulation import simulate as simulate_lib
 
-NAMES = tuple(algorithms.BUILDERS)
+NAMES = tuple(algorithms.METHODS)
 # End-to-end runs of every algorithm: the stateful ones (a global model, per-client
 # models and optimizer state kept across rounds) in the default run, the others in
 # CI's slow pass; tests/test_algorithms.py covers each server step at unit level.

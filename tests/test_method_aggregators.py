@@ -104,7 +104,7 @@ def _spy_on_aggregators(monkeypatch):
 
 def _called(monkeypatch, name, **kwargs):
   calls = _spy_on_aggregators(monkeypatch)
-  algorithm = algorithms.BUILDERS[name](MODEL, OPTIMIZER, **kwargs)
+  algorithm = algorithms.METHODS[name].builder(MODEL, OPTIMIZER, **kwargs)
   state = algorithm.init(INIT, COUNTS, KEY)
   trained = jax.tree.map(lambda x: x + 0.1, algorithm.client_models(state))
   calls.clear()
@@ -116,7 +116,7 @@ def _called(monkeypatch, name, **kwargs):
 
 
 def test_every_method_is_listed():
-  assert set(CALLS) == set(algorithms.BUILDERS)
+  assert set(CALLS) == set(algorithms.METHODS)
 
 
 @pytest.mark.parametrize("name", sorted(CALLS))

@@ -20,7 +20,7 @@ from pflax import tree
 from pflax._src.simulation import engine
 from pflax._src.simulation import simulate as simulate_lib
 
-ALGORITHMS = tuple(algorithms.BUILDERS)
+ALGORITHMS = tuple(algorithms.METHODS)
 
 
 class PlainMLP(nn.Module):

@@ -32,7 +32,7 @@ def test_a_fine_tuned_client_keeps_its_model_in_every_later_round(name):
   """Once client 0 has fine-tuned (round 1), every later evaluation uses its
   fine-tuned model, also in rounds 2 and 3 where it is absent; client 3, never
   present, is evaluated with the global model."""
-  algorithm = algorithms.BUILDERS[name](models.MLP(3, hidden=(4,)), optax.sgd(0.1))
+  algorithm = algorithms.METHODS[name].builder(models.MLP(3, hidden=(4,)), optax.sgd(0.1))
   params = jax.vmap(lambda k: models.MLP(3, hidden=(4,)).init(k, jnp.ones((1, 5)))[
       "params"])(jax.random.split(jax.random.key(0), M))
   params = jax.tree.map(lambda x: jnp.broadcast_to(x[0], x.shape), params)

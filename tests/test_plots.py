@@ -36,7 +36,7 @@ def _hex(color):
 
 
 def test_pflax_algorithms_have_distinct_fixed_colours():
-  colours = [simulate.algorithm_color(name) for name in algorithms.BUILDERS]
+  colours = [simulate.algorithm_color(name) for name in algorithms.METHODS]
   assert len(set(colours)) == len(colours)
   assert all(matplotlib.colors.is_color_like(c) for c in colours)
 
@@ -82,9 +82,9 @@ def test_one_seed_draws_no_band():
 
 def test_algorithms_have_distinct_markers_and_swept_values_distinct_line_styles():
   runs = [_run(name, accuracies=(0.1 * i, 0.1 * i + 0.05))
-          for i, name in enumerate(algorithms.BUILDERS)]
+          for i, name in enumerate(algorithms.METHODS)]
   lines = simulate.plot_accuracy(runs).axes[0].get_lines()
-  assert len({line.get_marker() for line in lines}) == len(algorithms.BUILDERS)
+  assert len({line.get_marker() for line in lines}) == len(algorithms.METHODS)
   swept = [_run("fedprox", hyperparameter={"mu": mu}, accuracies=(mu, 2 * mu))
            for mu in (0.1, 0.2, 0.3)]
   lines = simulate.plot_accuracy(swept).axes[0].get_lines()

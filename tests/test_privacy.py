@@ -112,7 +112,7 @@ def test_without_noise_or_clipping_it_is_the_methods_own_step(name):
   step, to float32 tolerance (the mean is formed as sum / M before the method
   averages M equal values)."""
   model = models.MLP(3, hidden=(5,))
-  plain = algorithms.BUILDERS[name](model, optax.sgd(0.1))
+  plain = algorithms.METHODS[name].builder(model, optax.sgd(0.1))
   dp = privacy.private(plain, jnp.inf, 0.0, 4.0, name)
   state, trained = _state_and_trained(plain)
   mask = jnp.ones(4, bool)
@@ -129,7 +129,7 @@ def test_personal_parts_are_never_noised_or_read(name):
   head, Ditto's and APFL's v) equal the method's own; the released value does
   not depend on them."""
   model = models.MLP(3, hidden=(5,))
-  plain = algorithms.BUILDERS[name](model, optax.sgd(0.1))
+  plain = algorithms.METHODS[name].builder(model, optax.sgd(0.1))
   dp = privacy.private(plain, 0.01, 50.0, 2.0, name)
   state, trained = _state_and_trained(plain)
   mask = jnp.array([True, False, True, True])

@@ -27,10 +27,10 @@ def test_every_method_file_is_registered_under_its_own_name():
 
 
 def test_tables_are_derived_from_the_registry():
-  assert list(algorithms.BUILDERS) == list(algorithms.METHODS)
-  assert all(algorithms.BUILDERS[name] is method.builder
+  assert list(algorithms.METHODS) == list(registry.NAMES)
+  assert all(getattr(algorithms, name) is method.builder
              for name, method in algorithms.METHODS.items())
-  assert registry.BUILDERS is algorithms.BUILDERS
+  assert registry.METHODS is algorithms.METHODS
   assert registry.DEFAULT_ALGORITHMS == ("local", "fedavg", "fedprox", "cwfedavg",
                                          "fedclassavg", "fedsa", "feddwa", "fedrema")
   assert simulate_lib.HEAD_SHARING == ("local", "fedavg", "cwfedavg", "fedclassavg",

@@ -20,7 +20,7 @@ from pflax._src.simulation.records import FINAL_WINDOW
 
 CONFIG = simulate.ExperimentConfig(clients=6, rounds=3, model="mlp", eval_every=1,
                                    local_epochs=1)
-NAMES = tuple(algorithms.BUILDERS)
+NAMES = tuple(algorithms.METHODS)
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +146,7 @@ def test_non_finite_client_is_dropped_and_others_continue(setup):
 
 
 def test_partial_participation_samples_a_fixed_number():
-  chosen = [simulate.participants(prng.key(s), 10, 0.3) for s in range(5)]
+  chosen = [engine.participants(prng.key(s), 10, 0.3) for s in range(5)]
   assert all(c.shape == (3,) for c in chosen)
   assert all(np.all(np.diff(np.asarray(c)) > 0) for c in chosen)
   assert len({tuple(np.asarray(c)) for c in chosen}) > 1

@@ -68,7 +68,7 @@ _AS_GIVEN = ("preset", "sequential", "tune_steps", "tune_lr", "tune_validation",
 
 def importing(name: Any) -> bool:
   """Whether running the algorithm `name` imports a module (`module:builder`)."""
-  return isinstance(name, str) and ":" in name and name not in registry.BUILDERS
+  return isinstance(name, str) and ":" in name and name not in registry.METHODS
 
 
 def _typed(key: str, text: str, default: Any) -> Any:
@@ -248,7 +248,7 @@ def _checked_config(values: Mapping[str, Any], algorithms: Sequence[str],
     simulate.check_algorithm_keys(config, algorithms)
     for name in algorithms:
       simulate.check_algorithm(name, config)
-      if (config.heterogeneous and name in registry.BUILDERS
+      if (config.heterogeneous and name in registry.METHODS
           and name not in simulate.HEAD_SHARING):
         raise ValueError(f"--heterogeneous needs algorithms that share a head "
                          f"({', '.join(simulate.HEAD_SHARING)}), got {name!r}")

@@ -83,7 +83,7 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
   """`--algorithms` and a flag per field of `CONFIG_FIELDS`, defaulting to
   `ExperimentConfig()`'s values, and `--set`."""
   defaults = simulate.ExperimentConfig()
-  names = tuple(registry.BUILDERS)
+  names = tuple(registry.METHODS)
   p.add_argument("--algorithms", nargs="+", default=list(registry.DEFAULT_ALGORITHMS),
                  metavar="NAME",
                  help=f"any of {' '.join(names)}, or your own builder as "

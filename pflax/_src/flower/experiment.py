@@ -69,7 +69,7 @@ def _received(field: str, sent: Any, given: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class Experiment:
-  """What a federation runs: an algorithm (a name of `pflax.algorithms.BUILDERS`
+  """What a federation runs: an algorithm (a name of `pflax.algorithms.METHODS`
   or `"module:builder"`), its `ExperimentConfig` and the seed.
 
   `model` (None: `config.model`) is any model `pflax.simulate.run` takes, and

@@ -7,11 +7,9 @@ plots' colours.
 """
 
 import importlib
-from collections.abc import Callable
 from typing import Any
 
 from pflax._src.methods import Method
-from pflax._src.methods import algorithm as alg
 
 NAMES = (
     "local",
@@ -37,10 +35,6 @@ which ends with its `METHOD`."""
 METHODS: dict[str, Method] = {
     name: importlib.import_module(f"pflax._src.methods.{name}").METHOD for name in NAMES}
 """pflax's methods by command-line name, in `pflax-run`'s order."""
-
-BUILDERS: dict[str, Callable[..., alg.Algorithm]] = {
-    name: method.builder for name, method in METHODS.items()}
-"""The builders of `pflax-run`'s algorithms by command-line name."""
 
 DEFAULT_ALGORITHMS = tuple(name for name, method in METHODS.items() if method.default)
 """What `pflax-run` runs without `--algorithms`: the five papers' methods and the

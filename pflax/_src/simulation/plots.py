@@ -36,16 +36,16 @@ Runs = records.Results | records.RunRecord | Iterable[records.RunRecord]
 
 
 def _style_index(algorithm: str, size: int) -> int:
-  """pflax's own in the order of `pflax.algorithms.BUILDERS`, any other name by
+  """pflax's own in the order of `pflax.algorithms.METHODS`, any other name by
   a hash of it."""
-  names = tuple(registry.BUILDERS)
+  names = tuple(registry.METHODS)
   index = names.index(algorithm) if algorithm in names else zlib.crc32(algorithm.encode())
   return index % size
 
 
 def algorithm_color(algorithm: str) -> str:
   """An algorithm's colour, the same in every plot: pflax's own in the order of
-  `pflax.algorithms.BUILDERS`, any other name by a hash of it."""
+  `pflax.algorithms.METHODS`, any other name by a hash of it."""
   return _PALETTE[_style_index(algorithm, len(_PALETTE))]
 
 

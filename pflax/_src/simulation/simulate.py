@@ -422,15 +422,15 @@ Builder = Callable[..., alg.Algorithm]
 
 
 def resolve_builder(name: str) -> Builder:
-  """A builder by name: one of `pflax.algorithms.BUILDERS`, or `"module:function"`.
+  """A builder by name: one of `pflax.algorithms.METHODS`, or `"module:function"`.
 
   Raises:
     ValueError: for an unknown name or a path that does not import.
   """
-  if name in registry.BUILDERS:
-    return registry.BUILDERS[name]
+  if name in registry.METHODS:
+    return registry.METHODS[name].builder
   if ":" not in name:
-    raise ValueError(f"algorithm must be one of {tuple(registry.BUILDERS)} or "
+    raise ValueError(f"algorithm must be one of {tuple(registry.METHODS)} or "
                      f"'module:builder', got {name!r}.")
   module, _, attr = name.partition(":")
   try:
@@ -577,7 +577,7 @@ def _plan(algorithm: str | Builder, config: ExperimentConfig, setup: Setup,
                  _dp(algorithm, config))
   algorithm_ = build.member(setup.model, None)  # the builder's checks, on the host
   known = pflax_model and setup.parts is parts_lib.pflax_parts(setup.model)
-  if not (known and builder in registry.BUILDERS.values()):
+  if not (known and builder in [m.builder for m in registry.METHODS.values()]):
     _check_fits(_algorithm_name(algorithm), algorithm_, setup)
   return engine.Plan(build=build, num_clients=config.clients,
                      participation=config.participation,
@@ -757,8 +757,8 @@ def _keywords(builder: Builder) -> tuple[str, ...] | None:
 def _named_builder(table: str, name: str, run: Mapping[str, str | Builder]
                    ) -> Builder:
   """The builder that the key `name` of `config.<table>` configures."""
-  if name in registry.BUILDERS:
-    return registry.BUILDERS[name]
+  if name in registry.METHODS:
+    return registry.METHODS[name].builder
   if name in run and not isinstance(run[name], str):
     return run[name]
   if name in run or ":" in name:
@@ -766,7 +766,7 @@ def _named_builder(table: str, name: str, run: Mapping[str, str | Builder]
       return resolve_builder(name)
     except ValueError as e:
       raise ValueError(f"{table}: unknown algorithm {name!r}: {e}") from None
-  known = list(registry.BUILDERS) + [n for n in run if n not in registry.BUILDERS]
+  known = list(registry.METHODS) + [n for n in run if n not in registry.METHODS]
   raise ValueError(f"{table}: unknown algorithm {name!r}{_closest(name, known)}; "
                    f"known: {', '.join(known)} (or 'module:builder')")
 
@@ -776,7 +776,7 @@ def check_algorithm_keys(config: ExperimentConfig,
   """Raises ValueError for a key of `config.hyperparameters` or `config.optimizers`
   that names no algorithm, or for a keyword its algorithm does not take.
 
-  A key names a built-in algorithm (`pflax.algorithms.BUILDERS`, run or not:
+  A key names a built-in algorithm (`pflax.algorithms.METHODS`, run or not:
   presets configure several), a `"module:builder"`, or one of the `algorithms`
   being run (a builder's `__name__`). An entry of `hyperparameters` holds keywords
   of the builder's signature, one of `optimizers` the fields `OPTIMIZER_FIELDS`.
@@ -927,7 +927,7 @@ def check_heterogeneous(algorithm: str | Builder, config: ExperimentConfig) -> N
   """Raises ValueError if `config.heterogeneous` and `algorithm` is one of pflax's
   that does not share a head (`HEAD_SHARING`)."""
   if (config.heterogeneous and isinstance(algorithm, str)
-      and algorithm in registry.BUILDERS and algorithm not in HEAD_SHARING):
+      and algorithm in registry.METHODS and algorithm not in HEAD_SHARING):
     raise ValueError(f"heterogeneous models need an algorithm that shares a head "
                      f"({', '.join(HEAD_SHARING)}), got {algorithm!r}.")
 
@@ -1105,7 +1105,7 @@ def sweep(algorithm: str | Builder, config: ExperimentConfig, seeds: Sequence[in
   """Runs every (value, seed) pair of a grid as one sweep (see the module docstring).
 
   Args:
-    algorithm: a name of `pflax.algorithms.BUILDERS`, `"module:builder"`, or
+    algorithm: a name of `pflax.algorithms.METHODS`, `"module:builder"`, or
       a builder `builder(model, optimizer, **hyperparameters) -> Algorithm`.
     config: the experiment; `config.strategy` maps the clients of all runs.
     seeds: the seeds; each gives its own partition, initial model and keys.
@@ -1117,7 +1117,7 @@ def sweep(algorithm: str | Builder, config: ExperimentConfig, seeds: Sequence[in
     on_round: called after every round with the round number and the records
       of that round, one per run.
     mesh: optionally a `jax.sharding.Mesh` whose first axis splits the clients
-      (see `pflax.simulate.client_shardings`); M is padded with empty clients
+      (each client-axis leaf split over it); M is padded with empty clients
       to a multiple of the axis size. Results equal the single-device ones up
       to float rounding.
     checkpoint_dir, checkpoint_every, resume: save the sweep's state every

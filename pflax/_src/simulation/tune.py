@@ -266,7 +266,7 @@ def make_task(algorithm: str | simulate.Builder, config: simulate.ExperimentConf
   """Prepares a differentiable run of `algorithm` on held-out validation data.
 
   Args:
-    algorithm: a name of `pflax.algorithms.BUILDERS`, `"module:builder"` or a
+    algorithm: a name of `pflax.algorithms.METHODS`, `"module:builder"` or a
       builder.
     config: the experiment; its `strategy` must be "vmap" or "map" ("auto" is
       taken as "vmap"): the threaded "loop" runs clients outside JAX and
