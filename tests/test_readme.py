@@ -9,8 +9,11 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-DOC_PAGES = ("docs/scaling.md", "docs/flower.md")
-"""Pages whose Python blocks run as written (each page in a namespace of its own)."""
+DOC_PAGES = ("docs/scaling.md",
+             pytest.param("docs/flower.md", marks=pytest.mark.extended))
+"""Pages whose Python blocks run as written (each page in a namespace of its own).
+The Flower page's deployment is `extended` (run by hand): CI's slow pass runs the
+same deployment in tests/test_flower_federation.py."""
 
 
 def _python_blocks(path: str) -> list[str]:
