@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("flwr")
 
 from flwr import app as flwr_app  # pylint: disable=wrong-import-position
+from flwr import clientapp as flwr_clientapp  # pylint: disable=wrong-import-position
 from flwr.supercore import task_identity  # pylint: disable=wrong-import-position
 
 from pflax import flower  # pylint: disable=wrong-import-position
@@ -64,6 +65,15 @@ def test_a_record_of_another_tree_is_a_clear_error(change, match):
   tree = {"dense": {"kernel": np.ones((2, 3), np.float32)}, "step": np.int32(7)}
   with pytest.raises(ValueError, match=match):
     flower.from_record(flower.to_record(change(tree)), tree, "model")
+
+
+def test_the_client_app_pickles_for_flowers_simulation_engine():
+  """Flower's simulation engine sends the ClientApp to its Ray actors with
+  cloudpickle; an app that does not pickle loses Flower's actors one by one
+  ("pop from empty list")."""
+  cloudpickle = pytest.importorskip("ray.cloudpickle")
+  app = cloudpickle.loads(cloudpickle.dumps(flower.client_app()))
+  assert isinstance(app, flwr_clientapp.ClientApp)
 
 
 @pytest.mark.parametrize("name", ["cwfedavg", "fedrema"])

@@ -116,15 +116,20 @@ def client_app(data: ClientDataFn = simulated_partition, model: Any = None,
   """
   app = flwr_clientapp.ClientApp()
   clients: dict[tuple[str, int], _Client] = {}
+  built: dict[tuple[str, tuple[int, ...], int], groups_lib.Groups] = {}
 
-  @functools.lru_cache(maxsize=8)
   def groups(text: str, input_shape: tuple[int, ...], num_classes: int
              ) -> groups_lib.Groups:
     """The experiment's `Groups`, once per experiment in this app, so that the
     clients of one process (in-process grids, Ray actors) share their compiled
-    programs."""
-    experiment = experiment_lib.Experiment.from_json(text, model, parts)
-    return experiment.build(input_shape, num_classes)[0]
+    programs. (A dict, not `functools.lru_cache`: Flower's simulation engine
+    pickles the app for its Ray actors, and a cached local function does not
+    pickle.)"""
+    key = (text, input_shape, num_classes)
+    if key not in built:
+      experiment = experiment_lib.Experiment.from_json(text, model, parts)
+      built[key] = experiment.build(input_shape, num_classes)[0]
+    return built[key]
 
   def experiment_client(context, text: str) -> _Client:
     key = (text, client_id(context))
