@@ -115,12 +115,12 @@ def test_fault_draw_leaves_every_other_choice_unchanged(setup):
 
 @pytest.mark.parametrize("fraction", [-0.1, 1.0, 1.5, float("nan")])
 def test_fault_fraction_outside_0_1_is_rejected(setup, fraction):
-  config = dataclasses.replace(CONFIG, faulty_clients=fraction)
   refused = r"faulty_clients must be (a fraction in \[0, 1\)|a finite number)"
   with pytest.raises(ValueError, match=refused):
-    simulate.run("fedavg", config, 0, setup=setup)
+    simulate.run("fedavg", dataclasses.replace(CONFIG, faulty_clients=fraction), 0,
+                 setup=setup)
   with pytest.raises(ValueError, match=refused):
-    simulate.sweep("fedavg", config, [0], setups={0: setup})
+    simulate.ExperimentConfig(faulty_clients=fraction)
   with pytest.raises(SystemExit, match=r"^pflax-run: --faulty-clients must be "
                                        r"(a fraction in \[0, 1\)|a finite number), "
                                        "got"):

@@ -3,6 +3,8 @@ setting is legitimate), before anything is compiled; in `pflax-run`, one line.""
 
 import dataclasses
 import json
+import re
+import warnings
 
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ from pflax import simulate
 from pflax._src.cli import main as cli
 from pflax._src.data import datasets
 from pflax._src.simulation import simulate as simulate_lib
+from pflax._src.simulation import tune as tune_lib
 
 CONFIG = simulate.ExperimentConfig(clients=6, rounds=1, model="mlp", local_epochs=1)
 QUIET = ["--no-progress", "--no-compilation-cache"]
@@ -117,7 +120,7 @@ def test_participation_that_rounds_away_warns():
   config = dataclasses.replace(CONFIG, clients=20, participation=0.01)
   with pytest.warns(UserWarning, match="^participation 0.01 of 20 clients is 0.2 "
                     "clients; 1 client takes part each round$"):
-    simulate_lib.check_config(config)
+    simulate_lib.warn_participation(config)
   assert simulate_lib.participation_warning(
       dataclasses.replace(config, participation=0.3, clients=5)) == (
           "participation 0.3 of 5 clients is 1.5 clients; 2 clients take part each "
@@ -205,6 +208,119 @@ def test_cli_too_many_classes_per_client_is_one_line(tmp_path):
                  "--classes-per-client must be <= the dataset's 10 classes, got 11")
 
 
+# 3b. A configuration checks itself (issue 33): every ExperimentConfig, however
+# made, is valid or a ValueError naming the field, the range and the value; the
+# participation warning is about a run: once where it starts, never at construction.
+
+_FAULT_KINDS = simulate_lib.engine.FAULT_KINDS
+BAD_FIELDS = [
+    (dict(clients=0), "clients must be >= 1, got 0."),
+    (dict(clients="6"), "clients must be an integer, got '6'."),
+    (dict(clients=True), "clients must be an integer, got True."),
+    (dict(clients=2.5), "clients must be an integer, got 2.5."),
+    (dict(rounds=10**7), "rounds must be at most 1000000, got 10000000."),
+    (dict(eval_every=0), "eval_every must be >= 1, got 0."),
+    (dict(lr=float("nan")), "lr must be a finite number, got nan."),
+    (dict(lr=1e30), "lr must be a finite number in (0.0, 1000.0], got 1e+30."),
+    (dict(momentum=1.0), "momentum must be a finite number in [0.0, 0.999], got 1.0."),
+    (dict(grad_clip=0.0), "grad_clip must be a finite number in (0.0, 1000.0], got "
+                          "0.0."),
+    (dict(optimizer="rmsprop"), "optimizer must be 'sgd' or 'adam', got 'rmsprop'."),
+    (dict(participation=0.0), "participation must be in (0, 1], got 0.0."),
+    (dict(participation=None), "participation must be a finite number, got None."),
+    (dict(test_split="test"), "test_split must be one of ('clients', 'dataset'), got "
+                              "'test'."),
+    (dict(fault_kind="flip"), f"fault_kind must be one of {_FAULT_KINDS}, got 'flip'."),
+    (dict(fault_scale=0.0), "fault_scale must be None or a non-zero number of "
+                            "magnitude at most 1e+30, got 0.0."),
+    (dict(faulty_clients=1.0), "faulty_clients must be a fraction in [0, 1), got 1.0."),
+    (dict(dp_delta=1.0), "dp_delta must be in (0, 1), got 1.0."),
+    (dict(dp_clip=1.0, heterogeneous=True, family="mlp"),
+     "heterogeneous must be False under client-level DP (dp_clip), got True."),
+    (dict(heterogeneous="yes"), "heterogeneous must be True or False, got 'yes'."),
+    (dict(family="mlp"), 'family must be "cnn" (the default) unless '
+                         "heterogeneous=True: it names the heterogeneous clients' "
+                         "architectures, got 'mlp'."),
+    (dict(model="resnet"), "model must be one of ('auto', 'cnn', 'mlp'), got "
+                           "'resnet'."),
+    (dict(precision="fp16"), "precision must be one of ('float32', 'bf16'), got "
+                             "'fp16'."),
+    (dict(data_dir=""), "data_dir must be None or a folder, got ''."),
+    (dict(dataset=None), "dataset must be a string, got None."),
+]
+
+
+@pytest.mark.parametrize("fields,message", BAD_FIELDS, ids=repr)
+def test_a_config_with_a_bad_value_is_refused_at_construction(fields, message):
+  with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+    simulate.ExperimentConfig(**fields)
+
+
+@pytest.mark.parametrize("fields,message", BAD_FIELDS[:6], ids=repr)
+def test_replace_with_a_bad_value_is_refused(fields, message):
+  with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+    dataclasses.replace(CONFIG, **fields)
+
+
+def test_a_config_round_trips_through_json_and_a_bad_value_is_refused_on_load():
+  config = dataclasses.replace(CONFIG, participation=0.5, dp_clip=1.0,
+                               dp_noise_multiplier=1.0,
+                               hyperparameters={"fedprox": {"mu": 0.1}})
+  saved = json.loads(json.dumps(dataclasses.asdict(config)))
+  assert simulate.ExperimentConfig(**saved) == config
+  with pytest.raises(ValueError, match=r"^batch_size must be >= 1, got -3\.$"):
+    simulate.ExperimentConfig(**{**saved, "batch_size": -3})
+
+
+def test_a_flower_experiment_round_trips_and_a_bad_config_is_refused_on_load():
+  pytest.importorskip("flwr")
+  from pflax import flower  # pylint: disable=import-outside-toplevel
+  experiment = flower.Experiment("fedprox", dataclasses.replace(
+      CONFIG, hyperparameters={"fedprox": {"mu": 0.1}}), 3)
+  assert flower.Experiment.from_json(experiment.to_json()) == experiment
+  text = experiment.to_json().replace('"rounds": 1', '"rounds": 0')
+  with pytest.raises(ValueError, match=r"^rounds must be >= 1, got 0\.$"):
+    flower.Experiment.from_json(text)
+
+
+ROUNDING = "participation 0.1 of 6 clients is 0.6 clients; 1 client takes part each round"
+
+
+def _participation_warnings(caught):
+  return [w for w in caught if issubclass(w.category, UserWarning)
+          and str(w.message) == ROUNDING]
+
+
+def test_the_participation_warning_is_not_given_at_construction():
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    config = dataclasses.replace(CONFIG, participation=0.1)
+    dataclasses.replace(config, rounds=2)
+    simulate.ExperimentConfig(clients=6, participation=0.1)
+  assert simulate_lib.participation_warning(config) == ROUNDING
+  assert not _participation_warnings(caught)
+
+
+def _strategy(config):
+  pytest.importorskip("flwr")
+  from pflax import flower  # pylint: disable=import-outside-toplevel
+  return flower.PflaxStrategy(flower.Experiment("fedavg", config))
+
+
+@pytest.mark.parametrize("start", [
+    lambda config: simulate.run("fedavg", config, 0),
+    lambda config: simulate.sweep("fedavg", config, [0, 1]),
+    lambda config: tune_lib.make_task("fedavg", config, ["lr"]),
+    _strategy,
+], ids=["run", "sweep", "make_task", "flower"])
+def test_the_participation_warning_is_given_once_per_run(start):
+  config = dataclasses.replace(CONFIG, participation=0.1)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    start(config)
+  assert len(_participation_warnings(caught)) == 1
+
+
 # 4. Data that cannot be loaded: one message, no traceback.
 
 @pytest.mark.parametrize("error", [FileNotFoundError, ImportError, ValueError])
@@ -220,17 +336,16 @@ def test_cli_data_errors_end_as_pflax_run_messages(monkeypatch, tmp_path, error)
 # The architecture family of heterogeneous clients.
 
 def test_a_family_without_heterogeneous_clients_is_an_error():
-  config = dataclasses.replace(CONFIG, family="mlp")
   with pytest.raises(ValueError, match=r'^family must be "cnn" \(the default\) unless '
                                        r"heterogeneous=True"):
-    simulate.run("fedclassavg", config, 0)
+    simulate.run("fedclassavg", dataclasses.replace(CONFIG, family="mlp"), 0)
 
 
 def test_an_unknown_family_is_an_error():
-  config = dataclasses.replace(CONFIG, heterogeneous=True, family="resnet")
   with pytest.raises(ValueError, match=r"^family must be one of \('cnn', 'mlp'\), "
                                        "got 'resnet'"):
-    simulate.run("fedclassavg", config, 0)
+    simulate.run("fedclassavg", dataclasses.replace(CONFIG, heterogeneous=True,
+                                                    family="resnet"), 0)
 
 
 def test_cli_unknown_family_is_refused(capsys):

@@ -12,7 +12,6 @@ from pflax import losses
 from pflax import simulate
 from pflax import train
 from pflax._src.cli import main as cli
-from pflax._src.simulation import simulate as simulate_lib
 
 M, L, D, K, B = 3, 12, 6, 4, 4
 
@@ -79,7 +78,7 @@ def test_bad_precision_is_refused(tmp_path):
     train.make_trainer(lambda *a: 0.0, optax.sgd(0.1), epochs=1, batch_size=2,
                        precision="float16")
   with pytest.raises(ValueError, match="precision must be one of"):
-    simulate_lib.check_config(simulate.ExperimentConfig(precision="bfloat16"))
+    simulate.ExperimentConfig(precision="bfloat16")
   with pytest.raises(SystemExit):
     cli.main(["--precision", "fp16", "--out", str(tmp_path)])
   with pytest.raises(SystemExit, match="--precision bf16 is for simulations"):

@@ -244,7 +244,7 @@ def _checked_config(values: Mapping[str, Any], algorithms: Sequence[str],
                           f"{entries!r}")
   try:
     config = apply_sets(simulate.ExperimentConfig(**values), algorithms, sets)
-    simulate.check_config(config)
+    simulate.warn_participation(config)
     simulate.check_algorithm_keys(config, algorithms)
     for name in algorithms:
       simulate.check_algorithm(name, config)

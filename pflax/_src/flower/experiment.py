@@ -109,7 +109,6 @@ class Experiment:
   def check(self) -> None:
     """Raises ValueError for what a federation does not run."""
     _append_builder_path()
-    simulate.check_config(self.config)
     simulate.check_algorithm(self.algorithm, self.config)
     simulate.check_heterogeneous(self.algorithm, self.config)
     if self.config.faulty_clients:

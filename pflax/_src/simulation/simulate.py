@@ -139,6 +139,15 @@ class ExperimentConfig:
       with noise multiplier z, the outlier rule off.
     dp_epsilon, dp_delta: the privacy budget (eps, delta) of `pflax-run`, which
       calibrates `dp_noise_multiplier` to it, or stops at it.
+
+  A configuration checks itself: `ExperimentConfig(...)`, `dataclasses.replace`
+  and one loaded from JSON (a results.json, `pflax.flower.Experiment.from_json`)
+  raise ValueError naming the first field out of its range, the range and the
+  value. What needs the data or the algorithm is checked where a run has them.
+
+  >>> ExperimentConfig(clients=0)
+  Traceback (most recent call last):
+  ValueError: clients must be >= 1, got 0.
   """
   dataset: str = "digits"
   data_dir: str | None = None
@@ -177,6 +186,65 @@ class ExperimentConfig:
   dp_noise_multiplier: float | None = None
   dp_epsilon: float | None = None
   dp_delta: float = 1e-5
+
+  def __post_init__(self):
+    """Raises ValueError naming the first field out of its range, the range and
+    the value (the fields alone: `check_data` and `check_algorithm` need the data
+    and the algorithm)."""
+    def require(ok, field, expected):
+      if not ok:
+        raise ValueError(f"{field} must be {expected}, got {getattr(self, field)!r}.")
+    for field in dataclasses.fields(self):
+      kind = _field_kind(field.type)
+      if kind is not None:
+        require(_of_kind(getattr(self, field.name), kind), field.name, kind)
+    for field in ("clients", "rounds", "eval_every", "local_epochs", "batch_size"):
+      require(getattr(self, field) <= MAX_COUNT, field, f"at most {MAX_COUNT}")
+    require(self.clients >= 1, "clients", ">= 1")
+    require(self.classes_per_client >= 1, "classes_per_client", ">= 1")
+    require(0 < self.dirichlet_alpha <= MAX_MAGNITUDE, "dirichlet_alpha",
+            f"a finite number in (0, {MAX_MAGNITUDE:g}]")
+    require(0.0 <= self.iid_fraction <= 1.0, "iid_fraction", "in [0, 1]")
+    require(self.samples_per_client is None or self.samples_per_client >= 1,
+            "samples_per_client", "None or >= 1")
+    require(0.0 < self.test_fraction < 1.0, "test_fraction", "in (0, 1)")
+    require(self.test_split in TEST_SPLITS, "test_split", f"one of {TEST_SPLITS}")
+    require(0.0 < self.participation <= 1.0, "participation", "in (0, 1]")
+    require(self.dp_clip is None or self.dp_clip > 0, "dp_clip", "> 0")
+    require(self.dp_noise_multiplier is None or self.dp_noise_multiplier >= 0,
+            "dp_noise_multiplier", ">= 0")
+    require(self.dp_epsilon is None or self.dp_epsilon > 0, "dp_epsilon", "> 0")
+    require(0 < self.dp_delta < 1, "dp_delta", "in (0, 1)")
+    require(not (self.dp_clip and self.faulty_clients), "faulty_clients",
+            "0 under client-level DP (dp_clip)")
+    require(not (self.dp_clip and self.heterogeneous), "heterogeneous",
+            "False under client-level DP (dp_clip)")
+    require(0.0 <= self.faulty_clients < 1.0, "faulty_clients", "a fraction in [0, 1)")
+    require(self.fault_kind in engine.FAULT_KINDS, "fault_kind",
+            f"one of {engine.FAULT_KINDS}")
+    require(self.fault_scale is None
+            or 0 < abs(self.fault_scale) <= MAX_FAULT_SCALE, "fault_scale",
+            f"None or a non-zero number of magnitude at most {MAX_FAULT_SCALE:g}")
+    require(self.fault_scale is None or self.fault_kind != "inflated_counts"
+            or self.fault_scale > 0, "fault_scale", '> 0 for "inflated_counts"')
+    require(not self.outlier_factor or 1 < self.outlier_factor <= MAX_MAGNITUDE,
+            "outlier_factor", f"None, 0 or in (1, {MAX_MAGNITUDE:g}]")
+    require(self.family in models.FAMILIES, "family",
+            f"one of {tuple(models.FAMILIES)}")
+    require(self.heterogeneous or self.family == "cnn", "family",
+            '"cnn" (the default) unless heterogeneous=True: it names the '
+            "heterogeneous clients' architectures")
+    require(self.model in MODELS, "model", f"one of {MODELS}")
+    require(self.strategy in STRATEGIES, "strategy", f"one of {STRATEGIES}")
+    require(self.rounds >= 1, "rounds", ">= 1")
+    require(self.eval_every >= 1, "eval_every", ">= 1")
+    require(self.local_epochs >= 1, "local_epochs", ">= 1")
+    require(self.precision in train_lib.PRECISIONS, "precision",
+            f"one of {train_lib.PRECISIONS}")
+    require(self.batch_size >= 1, "batch_size", ">= 1")
+    require(self.lr > 0 and math.isfinite(self.lr), "lr", "a finite number > 0")
+    require(self.data_dir is None or self.data_dir, "data_dir", "None or a folder")
+    client_optimizer(**{f: getattr(self, f) for f in OPTIMIZER_FIELDS})
 
 
 Family = tuple[tuple[Any, parts_lib.Parts], ...]
@@ -628,69 +696,6 @@ def _check_fits(name: str, algorithm: alg.Algorithm, setup: Setup) -> None:
                      f"{type(e).__name__}: {text}") from None
 
 
-def check_config(config: ExperimentConfig) -> None:
-  """Raises ValueError naming the first field of `config` out of its range; warns
-  (UserWarning) when fewer or more clients take part than asked
-  (`participation_warning`)."""
-  def require(ok, field, expected):
-    if not ok:
-      raise ValueError(f"{field} must be {expected}, got {getattr(config, field)!r}.")
-  for field in dataclasses.fields(ExperimentConfig):
-    kind = _field_kind(field.type)
-    if kind is not None:
-      require(_of_kind(getattr(config, field.name), kind), field.name, kind)
-  for field in ("clients", "rounds", "eval_every", "local_epochs", "batch_size"):
-    require(getattr(config, field) <= MAX_COUNT, field, f"at most {MAX_COUNT}")
-  require(config.clients >= 1, "clients", ">= 1")
-  require(config.classes_per_client >= 1, "classes_per_client", ">= 1")
-  require(0 < config.dirichlet_alpha <= MAX_MAGNITUDE, "dirichlet_alpha",
-          f"a finite number in (0, {MAX_MAGNITUDE:g}]")
-  require(0.0 <= config.iid_fraction <= 1.0, "iid_fraction", "in [0, 1]")
-  require(config.samples_per_client is None or config.samples_per_client >= 1,
-          "samples_per_client", "None or >= 1")
-  require(0.0 < config.test_fraction < 1.0, "test_fraction", "in (0, 1)")
-  require(config.test_split in TEST_SPLITS, "test_split", f"one of {TEST_SPLITS}")
-  require(0.0 < config.participation <= 1.0, "participation", "in (0, 1]")
-  require(config.dp_clip is None or config.dp_clip > 0, "dp_clip", "> 0")
-  require(config.dp_noise_multiplier is None or config.dp_noise_multiplier >= 0,
-          "dp_noise_multiplier", ">= 0")
-  require(config.dp_epsilon is None or config.dp_epsilon > 0, "dp_epsilon", "> 0")
-  require(0 < config.dp_delta < 1, "dp_delta", "in (0, 1)")
-  require(not (config.dp_clip and config.faulty_clients), "faulty_clients",
-          "0 under client-level DP (dp_clip)")
-  require(not (config.dp_clip and config.heterogeneous), "heterogeneous",
-          "False under client-level DP (dp_clip)")
-  require(0.0 <= config.faulty_clients < 1.0, "faulty_clients", "a fraction in [0, 1)")
-  require(config.fault_kind in engine.FAULT_KINDS, "fault_kind",
-          f"one of {engine.FAULT_KINDS}")
-  require(config.fault_scale is None
-          or 0 < abs(config.fault_scale) <= MAX_FAULT_SCALE, "fault_scale",
-          f"None or a non-zero number of magnitude at most {MAX_FAULT_SCALE:g}")
-  require(config.fault_scale is None or config.fault_kind != "inflated_counts"
-          or config.fault_scale > 0, "fault_scale", '> 0 for "inflated_counts"')
-  require(not config.outlier_factor or 1 < config.outlier_factor <= MAX_MAGNITUDE,
-          "outlier_factor", f"None, 0 or in (1, {MAX_MAGNITUDE:g}]")
-  require(config.family in models.FAMILIES, "family",
-          f"one of {tuple(models.FAMILIES)}")
-  require(config.heterogeneous or config.family == "cnn", "family",
-          '"cnn" (the default) unless heterogeneous=True: it names the '
-          "heterogeneous clients' architectures")
-  require(config.model in MODELS, "model", f"one of {MODELS}")
-  require(config.strategy in STRATEGIES, "strategy", f"one of {STRATEGIES}")
-  require(config.rounds >= 1, "rounds", ">= 1")
-  require(config.eval_every >= 1, "eval_every", ">= 1")
-  require(config.local_epochs >= 1, "local_epochs", ">= 1")
-  require(config.precision in train_lib.PRECISIONS, "precision",
-          f"one of {train_lib.PRECISIONS}")
-  require(config.batch_size >= 1, "batch_size", ">= 1")
-  require(config.lr > 0 and math.isfinite(config.lr), "lr", "a finite number > 0")
-  require(config.data_dir is None or config.data_dir, "data_dir", "None or a folder")
-  client_optimizer(**{f: getattr(config, f) for f in OPTIMIZER_FIELDS})
-  message = participation_warning(config)
-  if message:
-    warnings.warn(message, UserWarning)
-
-
 def _field_kind(annotation: Any) -> str | None:
   """What a field of `ExperimentConfig` annotated `annotation` must hold, in
   words, or None for a table (`optimizers`, `hyperparameters`)."""
@@ -734,6 +739,15 @@ def participation_warning(config: ExperimentConfig) -> str | None:
   clients = "1 client takes" if taking == 1 else f"{taking} clients take"
   return (f"participation {config.participation:g} of {config.clients} clients is "
           f"{asked:g} clients; {clients} part each round")
+
+
+def warn_participation(config: ExperimentConfig) -> None:
+  """Warns (UserWarning, `participation_warning`) when fewer or more clients take
+  part than `config` asks for: once where a run starts (`run`, `sweep`,
+  `pflax.tune.make_task`, a Flower server, `pflax-run`), not at construction."""
+  message = participation_warning(config)
+  if message:
+    warnings.warn(message, UserWarning)
 
 
 def _closest(name: str, known: Sequence[str]) -> str:
@@ -973,7 +987,7 @@ class _Grid:
                seeds: Sequence[int], swept: str | None, values: Sequence[float],
                setups: Mapping[int, Setup] | None, mesh: jax.sharding.Mesh | None,
                new_setup: Callable[[int], Setup] | None = None):
-    check_config(config)
+    warn_participation(config)
     check_algorithm_keys(config, [algorithm])
     check_sweep(algorithm, config, seeds, swept, values)
     check_heterogeneous(algorithm, config)

@@ -295,7 +295,7 @@ def make_task(algorithm: str | simulate.Builder, config: simulate.ExperimentConf
                      "or 'map' (memory-bounded chunks).")
   if config.heterogeneous:
     raise ValueError("heterogeneous=True is not supported by the differentiable run.")
-  simulate.check_config(config)
+  simulate.warn_participation(config)
   simulate.check_algorithm_keys(config, [algorithm])
   keys = check_keys(algorithm, keys)
   strategy = "vmap" if config.strategy == "auto" else config.strategy
