@@ -101,7 +101,7 @@ def test_import_pflax_reaches_every_namespace():
             "print(sorted(n for n in pflax.__all__\n"
             "             if hasattr(getattr(pflax, n), '__all__')))\n"
             "print(pflax.simulate.sweep.__name__,\n"
-            "      pflax.algorithms.METHODS['fedavg'].__name__)")
+            "      pflax.algorithms.METHODS['fedavg'].builder.__name__)")
   out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                        check=True, cwd=REPO)
   names, functions = out.stdout.strip().splitlines()
