@@ -219,6 +219,7 @@ def test_cli_records_the_faulty_clients_of_every_round(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended   # minutes on 2 cores: run by hand (-m extended)
 def test_heterogeneous_fedclassavg_draws_faults_over_all_groups():
   config = dataclasses.replace(CONFIG, clients=8, participation=1.0, faulty_clients=0.25,
                                heterogeneous=True)

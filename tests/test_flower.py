@@ -96,8 +96,8 @@ def test_every_algorithm_in_a_federation_equals_the_simulation(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["ditto", "fedbabu", *_extended(
-    "fedper", "fedavg_ft", "fedrep", "apfl", "moon", "fedala")])
+@pytest.mark.parametrize("name", _extended("ditto", "fedbabu",
+    "fedper", "fedavg_ft", "fedrep", "apfl", "moon", "fedala"))
 def test_every_baseline_in_a_federation_equals_the_simulation(name):
   config = dataclasses.replace(CONFIG, participation=0.5)
   federated = flower.run_in_process(flower.Experiment(name, config, seed=1))
@@ -105,6 +105,7 @@ def test_every_baseline_in_a_federation_equals_the_simulation(name):
 
 
 @pytest.mark.slow
+@pytest.mark.extended   # minutes on 2 cores: run by hand (-m extended)
 def test_heterogeneous_fedclassavg_in_a_federation_equals_the_simulation():
   """One architecture per node (client i trains `mlp_family()[i % 4]` with its
   group's loss and optimizer): the server warms up and aggregates the shared

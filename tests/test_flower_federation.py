@@ -64,7 +64,8 @@ def deployment():
 
 
 @pytest.mark.xdist_group("deployment")   # one worker starts the shared federation
-@pytest.mark.parametrize("name", ["cwfedavg", "fedrema"])
+@pytest.mark.parametrize("name", [
+    pytest.param("cwfedavg", marks=pytest.mark.extended), "fedrema"])
 def test_a_deployed_federation_equals_the_simulation(deployment, name, tmp_path):
   results = deployment.run(flower.Experiment(name, CONFIG, seed=2), str(tmp_path))
   _same_run(results.runs[0], simulate.run(name, CONFIG, 2))
@@ -73,6 +74,7 @@ def test_a_deployed_federation_equals_the_simulation(deployment, name, tmp_path)
   assert all(r["train_sent"] > 0 and r["train_received"] > 0 for r in traffic)
 
 
+@pytest.mark.extended   # minutes on 2 cores: run by hand (-m extended)
 def test_a_supernode_killed_mid_run_is_dropped_without_harming_the_others(
     jax_cache, tmp_path):
   """SuperNode 2 is killed (SIGKILL, with its client app) as soon as round 1 is
@@ -110,7 +112,8 @@ def test_flowers_simulation_engine_equals_the_simulation(tmp_path):
   _same_run(results.runs[0], simulate.run("fedrema", CONFIG, 1))
 
 
-@pytest.mark.parametrize("engine", ["deployment", "simulation"])
+@pytest.mark.parametrize("engine", [
+    pytest.param("deployment", marks=pytest.mark.extended), "simulation"])
 def test_pflax_run_flower_writes_the_simulations_results(engine, tmp_path):
   flags = ["--algorithms", "cwfedavg", "--clients", "3", "--rounds", "2",
            "--local-epochs", "1", "--no-progress", "--no-compilation-cache"]
@@ -144,6 +147,7 @@ def test_a_deployed_federation_trains_an_nnx_model_named_by_an_import_string(
                              rtol=1e-5)
 
 
+@pytest.mark.extended   # minutes on 2 cores: run by hand (-m extended)
 def test_a_hanging_supernode_costs_one_timeout_a_round(jax_cache, tmp_path):
   """SuperNode 1 hangs (SIGSTOP, with its client app) as soon as round 1 is
   recorded. Rounds 2 and 3 wait for its train reply once (or not at all once the

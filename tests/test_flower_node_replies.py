@@ -37,7 +37,10 @@ from pflax._src.flower import guard as flower_guard  # pylint: disable=wrong-imp
 import processes  # pylint: disable=wrong-import-position
 from pflax._src.simulation import records  # pylint: disable=wrong-import-position
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("flower_node_replies")]
+# One deployment with a dishonest node (minutes on 2 cores): run by hand (-m extended);
+# the same replies are refused in one process by tests/test_flower_replies.py.
+pytestmark = [pytest.mark.slow, pytest.mark.extended,
+              pytest.mark.xdist_group("flower_node_replies")]
 
 CONFIG = simulate.ExperimentConfig(clients=3, rounds=4, local_epochs=1)
 ALGORITHM = "fedavg"   # evaluates two kinds: personalized and global

@@ -233,6 +233,7 @@ def test_killing_pflax_run_flower_leaves_no_process_and_no_port(sig, tmp_path):
     assert str(logs) in output, output
 
 
+@pytest.mark.extended   # minutes on 2 cores: run by hand (-m extended)
 def test_pflax_run_flower_finds_flower_beside_python_without_path(tmp_path):
   path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep)
                          if p and os.path.realpath(p) != os.path.realpath(BIN))

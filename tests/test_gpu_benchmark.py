@@ -38,6 +38,7 @@ def test_training_section_runs(gpu):
 
 
 @pytest.mark.slow
+@pytest.mark.extended   # CI runs `benchmarks/gpu.py --quick` itself
 def test_quick_training_section_runs_every_implementation(gpu):
   sizes = gpu.Sizes(quick=True, clients=None)
   rows = gpu.training_rows(sizes)

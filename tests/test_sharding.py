@@ -67,9 +67,9 @@ def _assert_same(a, b):
 
 @pytest.mark.parametrize("name,devices", [
     # 6 clients padded to 8, two per device (slow: CI runs it in its slow pass)
-    pytest.param("fedavg", 4, marks=pytest.mark.slow),
+    pytest.param("fedavg", 4, marks=[pytest.mark.slow, pytest.mark.extended]),
     # exclusive models mix across devices:
-    pytest.param("feddwa", 8, marks=pytest.mark.slow),
+    pytest.param("feddwa", 8, marks=[pytest.mark.slow, pytest.mark.extended]),
     pytest.param("cwfedavg", 4, marks=pytest.mark.slow),
     pytest.param("fedrema", 8, marks=pytest.mark.slow),
 ])
