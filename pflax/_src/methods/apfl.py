@@ -49,8 +49,8 @@ def _optimizer(optimizer: optax.GradientTransformation, adapt_alpha: bool,
   labels = lambda trained: {name: jax.tree.map(lambda _, n=name: n, trained[name])
                             for name in ("w", "v", "alpha")}
   alpha_sgd = optax.chain(optax.sgd(alpha_lr), phases.box_projection(0.0, 1.0))
-  return optax.multi_transform({"w": optimizer, "v": optimizer, "alpha": alpha_sgd},
-                               labels)
+  return optax.partition({"w": optimizer, "v": optimizer, "alpha": alpha_sgd},
+                         labels)
 
 
 def apfl(model: nn.Module, optimizer: optax.GradientTransformation,

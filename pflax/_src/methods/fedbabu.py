@@ -24,7 +24,7 @@ def frozen_head(optimizer: optax.GradientTransformation,
     return {"w": tree_lib.map_selected(lambda _: "head", lambda _: "w", pair["w"],
                                        flags),
             "v": jax.tree.map(lambda _: "v", pair["v"])}
-  return optax.multi_transform(
+  return optax.partition(
       {"w": optimizer, "v": optimizer, "head": optax.set_to_zero()}, labels)
 
 
