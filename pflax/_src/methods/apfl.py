@@ -10,7 +10,6 @@ import optax
 
 from pflax._src import methods
 from pflax._src.aggregators import fedavg as fedavg_lib
-from pflax._src.core import tree as tree_lib
 from pflax._src.core import types
 from pflax._src.core import weights as weights_lib
 from pflax._src.methods import algorithm as alg
@@ -93,11 +92,9 @@ def apfl(model: nn.Module, optimizer: optax.GradientTransformation,
     mixed = mixture(weight, trained["v"], jax.lax.stop_gradient(trained["w"]))
     return ce(trained["w"], None, batch, key) + ce(mixed, None, batch, key)
 
-  def broadcast_global(state):
-    return tree_lib.broadcast(state.global_model, state.num_samples.shape[0])
-
   def client_models(state):
-    models = {"w": broadcast_global(state), "v": state.personal}
+    models = {"w": common.broadcast_global(state.global_model, state.num_samples),
+              "v": state.personal}
     return {**models, "alpha": state.alpha} if adapt_alpha else models
 
   def server_update(state, trained, mask, key):
@@ -118,7 +115,7 @@ def apfl(model: nn.Module, optimizer: optax.GradientTransformation,
                            common.sample_counts(class_counts))
 
   def evaluate(state):
-    held = broadcast_global(state)
+    held = common.broadcast_global(state.global_model, state.num_samples)
     return {"personalized": jax.vmap(mixture)(state.alpha, state.personal, held),
             "global": held}
 

@@ -79,7 +79,7 @@ def fedbabu(model: nn.Module, optimizer: optax.GradientTransformation, *,
     return fedavg_ft.init(params, class_counts, key)
 
   def client_models(state):
-    received = fedavg_ft.broadcast_global(state)
+    received = fedavg_ft.client_models(state)
     return {"w": received, "v": received}
 
   def loss(pair, context, batch, key):

@@ -40,7 +40,7 @@ def fedprox(model: nn.Module, optimizer: optax.GradientTransformation, *,
   return fedavg.global_algorithm(
       optimizer, loss, fedavg.global_aggregator(robust, trim_fraction, max_share,
                                               num_byzantine, radius),
-      client_context=fedavg.broadcast_global, clip_norm=clip_norm,
+      client_context=fedavg.client_models, clip_norm=clip_norm,
       uploads=alg.everything if robust == "none" else None)
 
 
