@@ -22,6 +22,12 @@ class Method:
     optimizer: its own overrides of the clients' optimizer fields (the default
       of `ExperimentConfig.optimizers`); None: the common optimizer.
     default: whether `pflax-run` runs it without `--algorithms`.
+    differentiable: the keywords with a useful hypergradient (`pflax.tune`; "lr"
+      is the clients' learning rate, the others the builder's), each checked
+      against finite differences in tests/test_tune.py; None: not checked, and
+      `pflax.tune` takes "lr" and the builder's float keywords.
+    not_differentiable: why each float keyword left out of `differentiable` is
+      refused (`pflax.tune.check_keys`).
   """
   name: str
   builder: Callable[..., alg.Algorithm]
@@ -29,3 +35,5 @@ class Method:
   shares_head: bool
   optimizer: Mapping[str, Any] | None = None
   default: bool
+  differentiable: tuple[str, ...] | None = None
+  not_differentiable: Mapping[str, str] = dataclasses.field(default_factory=dict)

@@ -160,4 +160,5 @@ METHOD = methods.Method(
     name="fedavg", builder=fedavg,
     paper=('McMahan et al., "Communication-Efficient Learning of Deep Networks '
            'from Decentralized Data", AISTATS 2017'),
-    shares_head=True, default=True)
+    shares_head=True, default=True,
+    differentiable=("lr",))

@@ -47,4 +47,5 @@ def fedprox(model: nn.Module, optimizer: optax.GradientTransformation, *,
 METHOD = methods.Method(
     name="fedprox", builder=fedprox,
     paper='Li et al., "Federated Optimization in Heterogeneous Networks", MLSys 2020',
-    shares_head=False, default=True)
+    shares_head=False, default=True,
+    differentiable=("lr", "mu"))
