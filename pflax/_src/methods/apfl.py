@@ -129,4 +129,5 @@ METHOD = methods.Method(
     name="apfl", builder=apfl,
     paper=('Deng, Kamani, Mahdavi, "Adaptive Personalized Federated Learning", '
            'arXiv:2003.13461, 2020'),
-    shares_head=False, default=False)
+    shares_head=False, default=False,
+    test=methods.TestSpec(kwargs={"alpha": 0.3}, trains="pair"))

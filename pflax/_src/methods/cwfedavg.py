@@ -141,4 +141,5 @@ METHOD = methods.Method(
     paper=('Lee and Choi, "Class-Wise Federated Averaging for Efficient '
            'Personalization"'),
     shares_head=True, default=True,
-    differentiable=("lr", "wdr_coef"))
+    differentiable=("lr", "wdr_coef"),
+    test=methods.TestSpec(kwargs={"wdr_coef": 2.0}))

@@ -90,4 +90,5 @@ METHOD = methods.Method(
     name="ditto", builder=ditto,
     paper=('Li et al., "Ditto: Fair and Robust Federated Learning Through '
            'Personalization", ICML 2021'),
-    shares_head=False, default=False)
+    shares_head=False, default=False,
+    test=methods.TestSpec(kwargs={"lam": 0.3}, trains="pair"))

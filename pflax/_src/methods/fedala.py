@@ -148,4 +148,6 @@ METHOD = methods.Method(
     name="fedala", builder=fedala,
     paper=('Zhang et al., "FedALA: Adaptive Local Aggregation for Personalized '
            'Federated Learning", AAAI 2023'),
-    shares_head=False, default=False)
+    shares_head=False, default=False,
+    test=methods.TestSpec(kwargs={"eta": 0.6, "ala_steps": 2}, trains="ala",
+                          phased=True))

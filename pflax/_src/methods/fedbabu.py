@@ -107,4 +107,5 @@ METHOD = methods.Method(
     name="fedbabu", builder=fedbabu,
     paper=('Oh, Kim, Yun, "FedBABU: Toward Enhanced Representation for Federated '
            'Image Classification", ICLR 2022'),
-    shares_head=False, default=False)
+    shares_head=False, default=False,
+    test=methods.TestSpec(trains="pair"))

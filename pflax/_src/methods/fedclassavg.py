@@ -148,4 +148,6 @@ METHOD = methods.Method(
     differentiable=("lr", "rho"),
     not_differentiable={
         "supcon_temperature": "smooth, but its hypergradient is not tested yet",
-        "supcon_base_temperature": "smooth, but its hypergradient is not tested yet"})
+        "supcon_base_temperature": "smooth, but its hypergradient is not tested yet"},
+    test=methods.TestSpec(kwargs={"rho": 0.8, "supcon_temperature": 2.0,
+                                 "supcon_base_temperature": 0.5}))

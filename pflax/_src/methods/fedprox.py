@@ -48,4 +48,5 @@ METHOD = methods.Method(
     name="fedprox", builder=fedprox,
     paper='Li et al., "Federated Optimization in Heterogeneous Networks", MLSys 2020',
     shares_head=False, default=True,
-    differentiable=("lr", "mu"))
+    differentiable=("lr", "mu"),
+    test=methods.TestSpec(kwargs={"mu": 0.3}))

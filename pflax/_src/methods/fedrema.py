@@ -77,4 +77,5 @@ METHOD = methods.Method(
     not_differentiable={
         "temperature": "the soft logits enter only the MDS selection of peers and "
                        "the CCP test (booleans), so its gradient is exactly 0",
-        "delta": "a threshold of the CCP test (a boolean)"})
+        "delta": "a threshold of the CCP test (a boolean)"},
+    test=methods.TestSpec(kwargs={"temperature": 0.7}))

@@ -122,4 +122,5 @@ def moon(model: nn.Module, optimizer: optax.GradientTransformation, *,
 METHOD = methods.Method(
     name="moon", builder=moon,
     paper='Li, He, Song, "Model-Contrastive Federated Learning", CVPR 2021',
-    shares_head=False, default=False)
+    shares_head=False, default=False,
+    test=methods.TestSpec(kwargs={"mu": 0.7, "temperature": 0.8}))
