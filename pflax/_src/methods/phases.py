@@ -33,12 +33,21 @@ def masked_outside(inner: optax.GradientTransformation,
   (`ConditionallyMaskState`), choosing with `jnp.where` instead of its
   `lax.cond`.
 
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> opt = masked_outside(optax.sgd(1.0), lambda step: step >= 1)
+    >>> params = jnp.zeros(1)
+    >>> updates, state = opt.update(jnp.ones(1), opt.init(params), params)
+    >>> updates, state = opt.update(jnp.ones(1), state, params)
+    >>> float(updates[0]), int(state.step)
+    (-1.0, 2)
+
   Notes:
     [settled] Under `jit` the `lax.cond` changes how XLA fuses the inner
-    update, so FedRep's and FedALA's losses and models differ in the last bits
-    from this `jnp.where` (the former hand-written two-phase optimizer's);
-    inside the vmapped clients, whose step counts differ, the `cond` is a
-    select all the same.
+    update: FedRep's and FedALA's losses and models then differ in the last
+    bits from this `jnp.where`'s, which are the former hand-written two-phase
+    optimizer's. (With a step count batched over clients, `lax.cond` is a
+    select anyway.)
   """
   def init(params):
     return optax.transforms.ConditionallyMaskState(
