@@ -1,9 +1,11 @@
 """Each algorithm's pieces against hand computations and `references.py`.
 
-For all eight algorithms: the local loss value on a fixed batch, the optimizer
-and its state's lifecycle (fresh each round, or kept by FedReMa), the models
-`evaluate` returns, and the server step when a client is absent, uploads
-non-finite parameters, or is padding (the sharded sweep's empty clients).
+For every method of `METHODS`: the local loss value on a fixed batch, the
+optimizer and its state's lifecycle (fresh each round, or kept by FedReMa), the
+models `evaluate` returns, and the server step when a client is absent, uploads
+non-finite parameters, or is padding (the sharded sweep's empty clients). The
+generic tests read each method's `TestSpec` (`Method.test`, in its file) and its
+independent NumPy `Reference` (`REFERENCES`), never its name.
 
 A tiny MLP (16 -> 4 -> 3 -> 3) on constant 4x4 images keeps everything fast;
 constant images make FedClassAvg's random translations the identity, so its
@@ -11,6 +13,8 @@ two views equal the input and its loss has a closed form.
 """
 
 import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import chex
 import jax
@@ -34,28 +38,18 @@ M, K, L = 4, 3, 4
 IMAGE = (4, 4, 1)
 MODEL = models.MLP(K, hidden=(4, 3))
 NAMES = tuple(algorithms.METHODS)
+# How the tests drive each method (`Method.test`, in the method's file): its
+# hyperparameters, each away from its default so a wrongly wired one shows, and
+# the tree its clients train.
+SPECS = {name: method.test for name, method in algorithms.METHODS.items()}
+KWARGS = {name: dict(spec.kwargs) for name, spec in SPECS.items()}
 N = np.array([3, 4, 2, 4])          # training samples per client
 ABSENT = 1                          # the client left out of the partial rounds
-# Every method hyperparameter away from its default, so a wrongly wired one shows.
 LR, MOMENTUM = 0.05, 0.9                      # the shared SGD base
-ADAM_LR, ADAM_B1 = 0.01, 0.5                  # FedClassAvg's own Adam
-# One MAC cluster: the clients left out join it above sim_threshold
-# (docs/methods.md, FedSA).
-FEDSA_KWARGS = dict(cv_threshold=0.5, num_mic=3, num_mac=1, sim_threshold=0.3)
-KWARGS = {"fedprox": {"mu": 0.3}, "cwfedavg": {"wdr_coef": 2.0},
-          "fedclassavg": {"rho": 0.8, "supcon_temperature": 2.0,
-                          "supcon_base_temperature": 0.5},
-          "fedsa": FEDSA_KWARGS,
-          "feddwa": {"alpha": 0.3, "lam": 0.7, "temperature": 0.5},
-          "fedrema": {"temperature": 0.7},
-          "fedper": {"personal": algorithms.OUTPUT_LAYER}, "ditto": {"lam": 0.3},
-          "fedrep": {"head_steps": 2}, "apfl": {"alpha": 0.3},
-          "moon": {"mu": 0.7, "temperature": 0.8},
-          "fedala": {"eta": 0.6, "ala_steps": 2}}
-PAIRS = ("feddwa", "ditto", "fedbabu", "apfl")        # clients training a pair {"w", "v"}
+ADAM_LR, ADAM_B1 = 0.01, 0.5                  # the own Adam of a method (FedClassAvg)
 # Clients training one part, then the other (`phases.two_phases`): FedRep's head
 # (the output layer) then body, FedALA's weights then model.
-PHASED = ("fedrep", "fedala")
+PHASED = tuple(name for name, spec in SPECS.items() if spec.phased)
 KEY = prng.key(0)
 
 
@@ -89,9 +83,15 @@ TRAINED = jax.tree.map(lambda p, d: p + d, INIT,          # T: what they upload
                        _random_params(np.random.default_rng(3), M, scale=0.5))
 
 
+def _own_adam(name):
+  """Whether the method trains with its own Adam (`Method.optimizer`)."""
+  own = algorithms.METHODS[name].optimizer
+  return own is not None and own["optimizer"] == "adam"
+
+
 @functools.cache
 def _algorithm(name, grad_clip=None, lr=LR, momentum=MOMENTUM):
-  if name == "fedclassavg":
+  if _own_adam(name):
     optimizer = simulate.client_optimizer("adam", ADAM_LR, adam_b1=ADAM_B1,
                                           grad_clip=grad_clip)
   else:
@@ -156,12 +156,14 @@ def _fedrema_upload(trained):
 
 
 def _upload(name, trained):
-  """The stacked upload of each algorithm: the `PAIRS` train a pair `(w, v)`."""
-  if name in PAIRS:
+  """The stacked upload of each algorithm, of the tree it trains (`TestSpec.trains`):
+  a pair `(w, v)`, FedALA's weights and delta, or a model (`Reference.upload` of it)."""
+  trains = SPECS[name].trains
+  if trains == "pair":
     return {"w": trained, "v": jax.tree.map(lambda x: 0.5 * x, trained)}
-  if name == "fedala":
+  if trains == "ala":
     return {"weights": _ala_weights(8), "delta": jax.tree.map(lambda x: 0.5 * x, trained)}
-  return _fedrema_upload(trained) if name == "fedrema" else trained
+  return REFERENCES[name].upload(trained)
 
 
 def _ala_weights(seed):
@@ -225,79 +227,123 @@ def _fedrema_soft(trained):
   return ref.soft_logits_ref(bias, KWARGS["fedrema"]["temperature"])
 
 
+class _Step(NamedTuple):
+  """One server step from `init(init)`: the upload `trained` (rows outside `mask`
+  ignored), the bool `(M,)` clients that took part and uploaded finite values,
+  their indices `on`, the sample counts `n` and the participants' uploads `up`."""
+  init: Any
+  trained: Any
+  mask: np.ndarray
+  on: np.ndarray
+  n: np.ndarray
+  up: Any
+
+  @property
+  def m(self):
+    return len(self.mask)
+
+
 def _expected(name, init, trained, num_samples, mask):
   """The models `evaluate` returns after one server step from `init(init)`.
 
-  `trained` is the upload (masked-out rows are ignored), `mask` the clients
-  that took part and uploaded finite values. Written from the papers (as
-  settled in docs/methods.md) with `references.py`; masked-out clients keep
-  their state.
+  Written from the papers (as settled in docs/methods.md) with `references.py`
+  (`Reference.evaluated`); masked-out clients keep their state.
   """
   mask = np.asarray(mask)
   on = np.flatnonzero(mask)
-  m = len(mask)
-  n = np.asarray(num_samples, np.float64)
-  up = _rows(_np(trained), on)
-  if name == "local":
-    return {"personalized": _where(mask, trained, init)}
-  if name in ("fedavg", "fedprox", "fedsa", "moon"):
-    if name == "fedsa":
-      mean = ref.fedsa_ref(up, n[on], **FEDSA_KWARGS)
-    else:
-      mean = ref.fedavg_ref(up, n[on])
-    return {"personalized": _broadcast(mean, m), "global": _broadcast(mean, m)}
-  if name == "cwfedavg":
-    out, rest = _split_output(up)
-    dist = np.full((m, K), 1.0 / K)       # the initial p~, kept by absent clients
-    dist[on] = ref.estimate_class_dist_ref(out["kernel"])
-    class_models = ref.class_models_ref(out, dist[on], n[on])
-    personal = ref.personalize_ref(class_models, dist)
-    rest = _broadcast(ref.fedavg_ref(rest, n[on]), m)
-    return {"personalized": _with_output(rest, personal)}
-  if name == "fedclassavg":
-    own = _where(mask, trained, init)
-    head = ref.fedavg_ref(_split_output(up)[0], n[on])
-    return {"personalized": own, "global": _with_output(own, _broadcast(head, m))}
-  if name == "feddwa":
-    exclusive = _np(init)
-    mixed = ref.feddwa_ref(up["w"], _rows(_np(init), on), KWARGS["feddwa"]["alpha"],
-                           KWARGS["feddwa"]["temperature"])
-    exclusive = jax.tree.map(lambda e, x: _set_rows(e, on, x), exclusive, mixed)
-    return {"personalized": _where(mask, trained["v"], init), "exclusive": exclusive}
-  if name in ("fedper", "fedrep"):   # personal / head: the output layer
-    base = _broadcast(ref.fedavg_ref(_split_output(up)[1], n[on]), m)
-    return {"personalized": _with_output(base, _split_output(_where(mask, trained,
-                                                                    init))[0])}
-  if name == "ditto":
-    return {"personalized": _where(mask, trained["v"], init),
-            "global": _broadcast(ref.fedavg_ref(up["w"], n[on]), m)}
-  if name in ("fedavg_ft", "fedbabu"):
-    if name == "fedavg_ft":
-      tuned, mean = trained, ref.fedavg_ref(up, n[on])
-    else:   # the body averaged under the initial head
-      head = _split_output(_rows(_np(init), 0))[0]
-      tuned, mean = trained["v"], _with_output(ref.fedavg_ref(up["w"], n[on]), head)
-    # Clients that never trained are evaluated on the global model.
-    return {"personalized": _where(mask, tuned, _broadcast(mean, m)),
-            "global": _broadcast(mean, m)}
-  if name == "apfl":
-    alpha = KWARGS["apfl"]["alpha"]
-    mean = _broadcast(ref.fedavg_ref(up["w"], n[on]), m)
-    personal = _where(mask, trained["v"], init)
-    return {"personalized": jax.tree.map(lambda v, w: alpha * v + (1 - alpha) * w,
-                                         personal, mean),
-            "global": mean}
-  if name == "fedala":
-    models = _ala_models(trained, init, _broadcast(_rows(_np(init), 0), m))
-    return {"personalized": _where(mask, models, init),
-            "global": _broadcast(ref.fedavg_ref(_rows(models, on), n[on]), m)}
-  assert name == "fedrema"
-  mixed, *_ = ref.fedrema_ref(up, n[on], _fedrema_soft(up), np.zeros((len(on),) * 2),
-                              0.0, True, 0.5)
-  classifier = jax.tree.map(lambda e, x: _set_rows(e, on, x),
-                            _np(init)["classifier"], mixed["classifier"])
+  step = _Step(init, trained, mask, on, np.asarray(num_samples, np.float64),
+               _rows(_np(trained), on))
+  return REFERENCES[name].evaluated(step)
+
+
+def _own(s):
+  return {"personalized": _where(s.mask, s.trained, s.init)}
+
+
+def _global_mean(mean):
+  """A method holding one global model, `mean(up, n)` of the participants."""
+  def evaluated(s):
+    held = _broadcast(mean(s.up, s.n[s.on]), s.m)
+    return {"personalized": held, "global": held}
+  return evaluated
+
+
+def _cwfedavg(s):
+  out, rest = _split_output(s.up)
+  dist = np.full((s.m, K), 1.0 / K)       # the initial p~, kept by absent clients
+  dist[s.on] = ref.estimate_class_dist_ref(out["kernel"])
+  class_models = ref.class_models_ref(out, dist[s.on], s.n[s.on])
+  personal = ref.personalize_ref(class_models, dist)
+  rest = _broadcast(ref.fedavg_ref(rest, s.n[s.on]), s.m)
+  return {"personalized": _with_output(rest, personal)}
+
+
+def _fedclassavg(s):
+  own = _where(s.mask, s.trained, s.init)
+  head = ref.fedavg_ref(_split_output(s.up)[0], s.n[s.on])
+  return {"personalized": own, "global": _with_output(own, _broadcast(head, s.m))}
+
+
+def _feddwa(s):
+  kwargs = KWARGS["feddwa"]
+  mixed = ref.feddwa_ref(s.up["w"], _rows(_np(s.init), s.on), kwargs["alpha"],
+                         kwargs["temperature"])
+  exclusive = jax.tree.map(lambda e, x: _set_rows(e, s.on, x), _np(s.init), mixed)
+  return {"personalized": _where(s.mask, s.trained["v"], s.init),
+          "exclusive": exclusive}
+
+
+def _personal_output(s):
+  """FedPer's personal layers, FedRep's head: the output layer."""
+  base = _broadcast(ref.fedavg_ref(_split_output(s.up)[1], s.n[s.on]), s.m)
+  own = _split_output(_where(s.mask, s.trained, s.init))[0]
+  return {"personalized": _with_output(base, own)}
+
+
+def _ditto(s):
+  return {"personalized": _where(s.mask, s.trained["v"], s.init),
+          "global": _broadcast(ref.fedavg_ref(s.up["w"], s.n[s.on]), s.m)}
+
+
+def _fine_tuned(tuned, mean, s):
+  """Clients that never trained are evaluated on the global model."""
+  return {"personalized": _where(s.mask, tuned, _broadcast(mean, s.m)),
+          "global": _broadcast(mean, s.m)}
+
+
+def _fedavg_ft(s):
+  return _fine_tuned(s.trained, ref.fedavg_ref(s.up, s.n[s.on]), s)
+
+
+def _fedbabu(s):
+  """The body averaged under the initial head."""
+  head = _split_output(_rows(_np(s.init), 0))[0]
+  return _fine_tuned(s.trained["v"],
+                     _with_output(ref.fedavg_ref(s.up["w"], s.n[s.on]), head), s)
+
+
+def _apfl(s):
+  alpha = KWARGS["apfl"]["alpha"]
+  mean = _broadcast(ref.fedavg_ref(s.up["w"], s.n[s.on]), s.m)
+  personal = _where(s.mask, s.trained["v"], s.init)
+  return {"personalized": jax.tree.map(lambda v, w: alpha * v + (1 - alpha) * w,
+                                       personal, mean),
+          "global": mean}
+
+
+def _fedala(s):
+  models = _ala_models(s.trained, s.init, _broadcast(_rows(_np(s.init), 0), s.m))
+  return {"personalized": _where(s.mask, models, s.init),
+          "global": _broadcast(ref.fedavg_ref(_rows(models, s.on), s.n[s.on]), s.m)}
+
+
+def _fedrema(s):
+  mixed, *_ = ref.fedrema_ref(s.up, s.n[s.on], _fedrema_soft(s.up),
+                              np.zeros((len(s.on),) * 2), 0.0, True, 0.5)
+  classifier = jax.tree.map(lambda e, x: _set_rows(e, s.on, x),
+                            _np(s.init)["classifier"], mixed["classifier"])
   # Alg. 2 line 19: every client receives the averaged feature extractor.
-  features = _broadcast(ref.fedavg_ref(up["features"], n[on]), m)
+  features = _broadcast(ref.fedavg_ref(s.up["features"], s.n[s.on]), s.m)
   return {"personalized": {"features": features, "classifier": classifier}}
 
 
@@ -317,41 +363,71 @@ def _assert_evaluated(algorithm, state, expected):
 # ---------------------------------------------------------------- local loss
 
 
-def _expected_loss(name, q, client):
-  """Client `client`'s local objective at parameters `q`, from `init(INIT)` (FedDWA:
-  after one full server step, so that its exclusive and personal models differ)."""
-  received = _rows(INIT, 0)    # the global model every client receives at init
-  if name in ("local", "fedavg", "fedsa", "fedrema", "fedper", "fedavg_ft", "fedrep"):
-    return _ce(q)
-  if name == "fedbabu":
-    return _ce(q["w"]) + _ce(q["v"])
-  if name == "ditto":
-    return (_ce(q["w"]) + _ce(q["v"])
-            + KWARGS["ditto"]["lam"] * ref.proximal_ref(q["v"], received))
-  if name == "apfl":
-    alpha = KWARGS["apfl"]["alpha"]
-    mixed = jax.tree.map(lambda v, w: alpha * v + (1 - alpha) * w, _np(q["v"]),
-                         _np(q["w"]))
-    return _ce(q["w"]) + _ce(mixed)
-  if name == "moon":    # the global model and the client's previous one: INIT's rows
-    z, z_glob, z_prev = (_np_forward(p, BATCH.x)[0]
-                         for p in (q, received, _rows(INIT, client)))
-    con = ref.model_contrastive_ref(z, z_glob, z_prev, KWARGS["moon"]["temperature"],
-                                    np.asarray(BATCH.mask))
-    return _ce(q) + KWARGS["moon"]["mu"] * con
-  if name == "fedala":  # the local model and the global one: INIT's rows
-    return _ce(_ala_models(q, _rows(INIT, client), received))
-  if name == "fedprox":
-    return _ce(q) + KWARGS["fedprox"]["mu"] * ref.proximal_ref(q, received)
-  if name == "cwfedavg":
-    p = np.asarray(FED.counts[client], np.float64)
-    estimate = ref.estimate_class_dist_ref(_np(q)["classifier"]["output"]["kernel"])
-    return _ce(q) + KWARGS["cwfedavg"]["wdr_coef"] * np.linalg.norm(p / p.sum() - estimate)
-  if name == "fedclassavg":
-    prox = ref.proximal_ref(q["classifier"]["output"], received["classifier"]["output"],
-                            reduce="mean")
-    return _ce(q) + _supcon(q) + KWARGS["fedclassavg"]["rho"] * prox
-  assert name == "feddwa"
+def _received():
+  """The global model every client receives at init."""
+  return _rows(INIT, 0)
+
+
+def _ce_loss(q, client):
+  del client
+  return _ce(q)
+
+
+def _pair_ce(q, client):
+  del client
+  return _ce(q["w"]) + _ce(q["v"])
+
+
+def _ditto_loss(q, client):
+  del client
+  return _pair_ce(q, None) + KWARGS["ditto"]["lam"] * ref.proximal_ref(q["v"],
+                                                                       _received())
+
+
+def _apfl_loss(q, client):
+  del client
+  alpha = KWARGS["apfl"]["alpha"]
+  mixed = jax.tree.map(lambda v, w: alpha * v + (1 - alpha) * w, _np(q["v"]),
+                       _np(q["w"]))
+  return _ce(q["w"]) + _ce(mixed)
+
+
+def _moon_loss(q, client):
+  """The global model and the client's previous one: INIT's rows."""
+  z, z_glob, z_prev = (_np_forward(p, BATCH.x)[0]
+                       for p in (q, _received(), _rows(INIT, client)))
+  con = ref.model_contrastive_ref(z, z_glob, z_prev, KWARGS["moon"]["temperature"],
+                                  np.asarray(BATCH.mask))
+  return _ce(q) + KWARGS["moon"]["mu"] * con
+
+
+def _fedala_loss(q, client):
+  """The local model and the global one: INIT's rows."""
+  return _ce(_ala_models(q, _rows(INIT, client), _received()))
+
+
+def _fedprox_loss(q, client):
+  del client
+  return _ce(q) + KWARGS["fedprox"]["mu"] * ref.proximal_ref(q, _received())
+
+
+def _cwfedavg_loss(q, client):
+  p = np.asarray(FED.counts[client], np.float64)
+  estimate = ref.estimate_class_dist_ref(_np(q)["classifier"]["output"]["kernel"])
+  return _ce(q) + KWARGS["cwfedavg"]["wdr_coef"] * np.linalg.norm(p / p.sum() - estimate)
+
+
+def _fedclassavg_loss(q, client):
+  del client
+  # SupCon's representation is taken before the ReLU: some of it is negative here.
+  assert (_np_forward(q, BATCH.x)[0][np.asarray(BATCH.mask)] < 0).any()
+  prox = ref.proximal_ref(q["classifier"]["output"], _received()["classifier"]["output"],
+                          reduce="mean")
+  return _ce(q) + _supcon(q) + KWARGS["fedclassavg"]["rho"] * prox
+
+
+def _feddwa_loss(q, client):
+  """After one full server step (`Reference.loss_after_a_round`)."""
   exclusive = _expected("feddwa", INIT, _upload("feddwa", TRAINED), N,
                         np.ones(M, bool))["exclusive"]
   anchor = _rows(exclusive, client)   # the exclusive model the client received
@@ -359,28 +435,100 @@ def _expected_loss(name, q, client):
           + KWARGS["feddwa"]["lam"] * ref.proximal_ref(q["v"], anchor))
 
 
+# --------------------------------------------------- each method's reference
+
+
+def _momentum_steps(name, grads):
+  """The shared SGD base's updates (lr, momentum)."""
+  del name
+  return _momentum_ref(grads, LR, MOMENTUM)
+
+
+def _ala_steps(name, grads):
+  """FedALA's weights from W = 0: clip(0 - eta g, 0, 1)."""
+  return [np.clip(-KWARGS[name]["eta"] * g, 0.0, 1.0) for g in grads]
+
+
+class Reference(NamedTuple):
+  """A method's independent reference (NumPy, `references.py`).
+
+  Attributes:
+    evaluated: `evaluated(step) -> {kind: models}` after one server `_Step`.
+    loss: `loss(q, client)`, client `client`'s local objective at `q` from
+      `init(INIT)`.
+    loss_after_a_round: whether `loss` is taken after one full server step
+      instead (FedDWA: so that its exclusive and personal models differ).
+    upload: the tests' upload of a method training a model, from `TRAINED`.
+    first_steps: `first_steps(name, grads)`, the updates of the optimizer's first
+      steps (of the first part of a phased method); Adam for a method with its
+      own (`_own_adam`).
+  """
+  evaluated: Callable[[_Step], dict]
+  loss: Callable[[Any, int], float]
+  loss_after_a_round: bool = False
+  upload: Callable[[Any], Any] = lambda trained: trained
+  first_steps: Callable[[str, list], list] = _momentum_steps
+
+
+REFERENCES = {
+    "local": Reference(_own, _ce_loss),
+    "fedavg": Reference(_global_mean(ref.fedavg_ref), _ce_loss),
+    "fedprox": Reference(_global_mean(ref.fedavg_ref), _fedprox_loss),
+    "cwfedavg": Reference(_cwfedavg, _cwfedavg_loss),
+    "fedclassavg": Reference(_fedclassavg, _fedclassavg_loss),
+    "fedsa": Reference(_global_mean(
+        lambda up, n: ref.fedsa_ref(up, n, **KWARGS["fedsa"])), _ce_loss),
+    "feddwa": Reference(_feddwa, _feddwa_loss, loss_after_a_round=True),
+    "fedrema": Reference(_fedrema, _ce_loss, upload=_fedrema_upload),
+    "fedper": Reference(_personal_output, _ce_loss),
+    "ditto": Reference(_ditto, _ditto_loss),
+    "fedavg_ft": Reference(_fedavg_ft, _ce_loss),
+    "fedbabu": Reference(_fedbabu, _pair_ce),
+    "fedrep": Reference(_personal_output, _ce_loss),
+    "apfl": Reference(_apfl, _apfl_loss),
+    "moon": Reference(_global_mean(ref.fedavg_ref), _moon_loss),
+    "fedala": Reference(_fedala, _fedala_loss, first_steps=_ala_steps),
+}
+
+
+def test_every_method_has_a_reference_and_a_known_trained_tree():
+  assert set(REFERENCES) == set(NAMES)
+  assert {spec.trains for spec in SPECS.values()} <= {"model", "pair", "ala"}
+
+
+def test_only_fedrema_keeps_its_optimizer_state_and_only_fedclassavg_has_its_adam():
+  """The facts the generic tests read from the methods themselves."""
+  assert [name for name in NAMES if _algorithm(name).keep_opt_state] == ["fedrema"]
+  assert [name for name in NAMES if _own_adam(name)] == ["fedclassavg"]
+
+
+def _trained_point(name, seed):
+  """Random stacked parameters of the tree the method's clients train."""
+  point = _random_params(np.random.default_rng(seed), M)
+  trains = SPECS[name].trains
+  if trains == "pair":
+    return {"w": point, "v": _random_params(np.random.default_rng(seed + 1), M)}
+  if trains == "ala":
+    return {"weights": _ala_weights(seed + 1), "delta": point}
+  return point
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_local_loss_value_by_hand(name):
   """CE (+ FedProx's mu/2 ||w - w_g||^2, cwFedAvg's WDR, FedClassAvg's SupCon and
   rho/2 sum_tensors mean((C - C_g)^2), FedDWA's pair with lambda/2 ||v - w_g||^2)."""
   algorithm = _algorithm(name)
+  reference = REFERENCES[name]
   state = _init(algorithm)
-  if name == "feddwa":
+  if reference.loss_after_a_round:
     _, state = _server_step(name, _upload(name, TRAINED), np.ones(M, bool))
   context = algorithm.client_context(state)
-  point = _random_params(np.random.default_rng(4), M)   # away from every anchor
-  if name in PAIRS:
-    point = {"w": point, "v": _random_params(np.random.default_rng(5), M)}
-  if name == "fedala":
-    point = {"weights": _ala_weights(5), "delta": point}
+  point = _trained_point(name, 4)   # away from every anchor
   for client in range(M):
     q = _rows(point, client)
-    if name == "fedclassavg":   # SupCon's representation is taken before the ReLU
-      assert (_np_forward(q, BATCH.x)[0][np.asarray(BATCH.mask)] < 0).any()
     got = algorithm.loss(q, _rows(context, client) if context is not None else None,
                          BATCH, prng.key(client))
-    np.testing.assert_allclose(got, _expected_loss(name, q, client), rtol=2e-5,
-                               atol=1e-5)
+    np.testing.assert_allclose(got, reference.loss(q, client), rtol=2e-5, atol=1e-5)
 
 
 def test_apfl_gradients_reach_v_only_through_the_mixture():
@@ -487,7 +635,7 @@ def test_optimizer_state_is_fresh_each_round_except_fedrema(name, chosen):
       inputs.start, inputs.opt_state)
   got = jax.tree.leaves(starting)
   assert got, "the optimizer must have a state here (momentum or Adam)"
-  if name == "fedrema":
+  if algorithm.keep_opt_state:
     kept = previous if chosen is None else _rows(previous, chosen)
     for a, b in zip(got, jax.tree.leaves(kept)):
       np.testing.assert_array_equal(a, b)
@@ -542,23 +690,22 @@ def test_optimizer_two_steps_by_hand(name):
   projected on [0, 1]."""
   algorithm = _algorithm(name)
   grads = [np.array([0.5, -2.0, 1e-3]), np.array([-1.0, 0.25, 3.0])]
-  if name in PHASED:
+  phased = SPECS[name].phased
+  if phased:
     as_params = lambda x: _phased_params(name, x, x)
   else:
-    as_params = lambda x: ({"w": {"a": x}, "v": {"a": x}} if name in PAIRS
-                           else {"a": x})
+    as_params = lambda x: ({"w": {"a": x}, "v": {"a": x}}
+                           if SPECS[name].trains == "pair" else {"a": x})
   params = as_params(jnp.zeros(3))
   opt_state = algorithm.optimizer.init(params)
-  if name == "fedclassavg":
+  if _own_adam(name):
     expected = _adam_ref(grads, ADAM_LR, ADAM_B1)
-  elif name == "fedala":   # from W = 0: clip(0 - eta g, 0, 1)
-    expected = [np.clip(-KWARGS["fedala"]["eta"] * g, 0.0, 1.0) for g in grads]
   else:
-    expected = _momentum_ref(grads, LR, MOMENTUM)
+    expected = REFERENCES[name].first_steps(name, grads)
   for g, want in zip(grads, expected):
     updates, opt_state = algorithm.optimizer.update(
         as_params(jnp.asarray(g, jnp.float32)), opt_state, params)
-    if name in PHASED:
+    if phased:
       updates, frozen = _phase_parts(name, updates)
       np.testing.assert_array_equal(frozen, 0.0)
     for leaf in jax.tree.leaves(updates):
@@ -567,17 +714,18 @@ def test_optimizer_two_steps_by_hand(name):
 
 def _phased_params(name, first, second):
   """A tree of the `PHASED` method `name` with leaves `first` (trained first) and
-  `second`."""
-  if name == "fedrep":
-    return {"classifier": {"output": {"a": first}}, "features": {"a": second}}
-  return {"weights": {"a": first}, "delta": {"a": second}}
+  `second`: FedALA's weights and delta, or a model's head (the output layer) and
+  body."""
+  if SPECS[name].trains == "ala":
+    return {"weights": {"a": first}, "delta": {"a": second}}
+  return {"classifier": {"output": {"a": first}}, "features": {"a": second}}
 
 
 def _phase_parts(name, tree):
   """`(first, second)` leaves of a `_phased_params` tree."""
-  if name == "fedrep":
-    return tree["classifier"]["output"]["a"], tree["features"]["a"]
-  return tree["weights"]["a"], tree["delta"]["a"]
+  if SPECS[name].trains == "ala":
+    return tree["weights"]["a"], tree["delta"]["a"]
+  return tree["classifier"]["output"]["a"], tree["features"]["a"]
 
 
 @pytest.mark.parametrize("name", PHASED)

@@ -8,6 +8,24 @@ from pflax._src.methods import algorithm as alg
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class TestSpec:
+  """How the generic tests of every method (tests/test_algorithms.py) drive one.
+
+  Attributes:
+    kwargs: the builder's keywords in those tests, each away from its default
+      so that one wired wrongly shows.
+    trains: what a client trains: "model" (its model), "pair" (two models
+      `{"w", "v"}` on the same batches) or "ala" (FedALA's `{"weights",
+      "delta"}`).
+    phased: whether it trains one part, then the other (`phases.two_phases`):
+      the output layer, then the rest ("model"); "weights", then "delta" ("ala").
+  """
+  kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  trains: str = "model"
+  phased: bool = False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Method:
   """A built-in method: everything pflax knows of it besides its code.
 
@@ -22,6 +40,13 @@ class Method:
     optimizer: its own overrides of the clients' optimizer fields (the default
       of `ExperimentConfig.optimizers`); None: the common optimizer.
     default: whether `pflax-run` runs it without `--algorithms`.
+    differentiable: the keywords with a useful hypergradient (`pflax.tune`; "lr"
+      is the clients' learning rate, the others the builder's), each checked
+      against finite differences in tests/test_tune.py; None: not checked, and
+      `pflax.tune` takes "lr" and the builder's float keywords.
+    not_differentiable: why each float keyword left out of `differentiable` is
+      refused (`pflax.tune.check_keys`).
+    test: how the generic tests drive it (`TestSpec`).
   """
   name: str
   builder: Callable[..., alg.Algorithm]
@@ -29,3 +54,6 @@ class Method:
   shares_head: bool
   optimizer: Mapping[str, Any] | None = None
   default: bool
+  differentiable: tuple[str, ...] | None = None
+  not_differentiable: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  test: TestSpec = dataclasses.field(default_factory=TestSpec)

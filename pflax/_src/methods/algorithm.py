@@ -181,4 +181,4 @@ def per_model(optimizer: optax.GradientTransformation,
   """
   labels = lambda models_: {name: jax.tree.map(lambda _, n=name: n, models_[name])
                             for name in names}
-  return optax.multi_transform({name: optimizer for name in names}, labels)
+  return optax.partition({name: optimizer for name in names}, labels)

@@ -10,7 +10,6 @@ import optax
 
 from pflax._src import methods
 from pflax._src.aggregators import fedavg as fedavg_lib
-from pflax._src.core import tree as tree_lib
 from pflax._src.core import types
 from pflax._src.core import weights as weights_lib
 from pflax._src.methods import algorithm as alg
@@ -49,8 +48,8 @@ def _optimizer(optimizer: optax.GradientTransformation, adapt_alpha: bool,
   labels = lambda trained: {name: jax.tree.map(lambda _, n=name: n, trained[name])
                             for name in ("w", "v", "alpha")}
   alpha_sgd = optax.chain(optax.sgd(alpha_lr), phases.box_projection(0.0, 1.0))
-  return optax.multi_transform({"w": optimizer, "v": optimizer, "alpha": alpha_sgd},
-                               labels)
+  return optax.partition({"w": optimizer, "v": optimizer, "alpha": alpha_sgd},
+                         labels)
 
 
 def apfl(model: nn.Module, optimizer: optax.GradientTransformation,
@@ -93,11 +92,9 @@ def apfl(model: nn.Module, optimizer: optax.GradientTransformation,
     mixed = mixture(weight, trained["v"], jax.lax.stop_gradient(trained["w"]))
     return ce(trained["w"], None, batch, key) + ce(mixed, None, batch, key)
 
-  def broadcast_global(state):
-    return tree_lib.broadcast(state.global_model, state.num_samples.shape[0])
-
   def client_models(state):
-    models = {"w": broadcast_global(state), "v": state.personal}
+    models = {"w": common.broadcast_global(state.global_model, state.num_samples),
+              "v": state.personal}
     return {**models, "alpha": state.alpha} if adapt_alpha else models
 
   def server_update(state, trained, mask, key):
@@ -118,7 +115,7 @@ def apfl(model: nn.Module, optimizer: optax.GradientTransformation,
                            common.sample_counts(class_counts))
 
   def evaluate(state):
-    held = broadcast_global(state)
+    held = common.broadcast_global(state.global_model, state.num_samples)
     return {"personalized": jax.vmap(mixture)(state.alpha, state.personal, held),
             "global": held}
 
@@ -132,4 +129,5 @@ METHOD = methods.Method(
     name="apfl", builder=apfl,
     paper=('Deng, Kamani, Mahdavi, "Adaptive Personalized Federated Learning", '
            'arXiv:2003.13461, 2020'),
-    shares_head=False, default=False)
+    shares_head=False, default=False,
+    test=methods.TestSpec(kwargs={"alpha": 0.3}, trains="pair"))

@@ -6,6 +6,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from pflax._src.core import tree as tree_lib
 from pflax._src.core import types
 from pflax._src.methods import algorithm as alg
 from pflax._src.training import losses
@@ -22,6 +23,13 @@ CLASSIFIER = parts_lib.PFLAX_CLASSIFIER
 def first(stacked: types.Stacked) -> types.Tree:
   """Client 0's tree: the common initial model."""
   return jax.tree.map(lambda x: x[0], stacked)
+
+
+def broadcast_global(global_model: types.Tree,
+                     num_samples: chex.Array) -> types.Stacked:
+  """Every client's copy of the global model, one per entry of the `(M,)`
+  `num_samples` (the states of the methods with a global model hold both)."""
+  return tree_lib.broadcast(global_model, num_samples.shape[0])
 
 
 def sample_counts(class_counts: chex.Array) -> chex.Array:

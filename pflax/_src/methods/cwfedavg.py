@@ -140,4 +140,6 @@ METHOD = methods.Method(
     name="cwfedavg", builder=cwfedavg,
     paper=('Lee and Choi, "Class-Wise Federated Averaging for Efficient '
            'Personalization"'),
-    shares_head=True, default=True)
+    shares_head=True, default=True,
+    differentiable=("lr", "wdr_coef"),
+    test=methods.TestSpec(kwargs={"wdr_coef": 2.0}))

@@ -8,7 +8,6 @@ import optax
 
 from pflax._src import methods
 from pflax._src.aggregators import fedavg as fedavg_lib
-from pflax._src.core import tree as tree_lib
 from pflax._src.core import types
 from pflax._src.core import weights as weights_lib
 from pflax._src.methods import algorithm as alg
@@ -28,8 +27,9 @@ class DittoModels(NamedTuple):
   num_samples: chex.Array
 
 
-def _broadcast_global(state: DittoModels) -> types.Stacked:
-  return tree_lib.broadcast(state.global_model, state.num_samples.shape[0])
+def _held(state: DittoModels) -> types.Stacked:
+  """Every client's copy of the global model `w`."""
+  return common.broadcast_global(state.global_model, state.num_samples)
 
 
 def ditto(model: nn.Module, optimizer: optax.GradientTransformation, *,
@@ -77,17 +77,18 @@ def ditto(model: nn.Module, optimizer: optax.GradientTransformation, *,
   return alg.Algorithm(
       init=lambda params, class_counts, key: DittoModels(
           common.first(params), params, common.sample_counts(class_counts)),
-      client_models=lambda state: {"w": _broadcast_global(state), "v": state.personal},
+      client_models=lambda state: {"w": _held(state), "v": state.personal},
       loss=loss, optimizer=alg.per_model(optimizer, ("w", "v")),
       uploads=alg.model_named("w"),
       server_update=server_update,
       evaluate=lambda state: {"personalized": state.personal,
-                              "global": _broadcast_global(state)},
-      client_context=_broadcast_global)
+                              "global": _held(state)},
+      client_context=_held)
 
 
 METHOD = methods.Method(
     name="ditto", builder=ditto,
     paper=('Li et al., "Ditto: Fair and Robust Federated Learning Through '
            'Personalization", ICML 2021'),
-    shares_head=False, default=False)
+    shares_head=False, default=False,
+    test=methods.TestSpec(kwargs={"lam": 0.3}, trains="pair"))

@@ -121,9 +121,6 @@ def fedala(model: nn.Module, optimizer: optax.GradientTransformation,
         jax.tree.map(jnp.ones_like, tree_lib.selected(params, layers)),
         common.sample_counts(class_counts))
 
-  def broadcast_global(state):
-    return tree_lib.broadcast(state.model, state.num_samples.shape[0])
-
   def client_models(state):
     return {"weights": state.weights,
             "delta": jax.tree.map(jnp.zeros_like, state.local)}
@@ -138,18 +135,19 @@ def fedala(model: nn.Module, optimizer: optax.GradientTransformation,
         weights=weights_lib.keep_masked(trained["weights"], state.weights, mask))
 
   ala_optimizer = optax.chain(optax.sgd(eta), phases.box_projection(0.0, 1.0))
+  held = lambda state: common.broadcast_global(state.model, state.num_samples)
   return alg.Algorithm(
       init=init, client_models=client_models, loss=loss,
       optimizer=phases.two_phases(_ala_weights, ala_optimizer, optimizer, ala_steps),
       server_update=server_update,
-      evaluate=lambda state: {"personalized": state.local,
-                              "global": broadcast_global(state)},
-      client_context=lambda state: {"local": state.local,
-                                    "global": broadcast_global(state)})
+      evaluate=lambda state: {"personalized": state.local, "global": held(state)},
+      client_context=lambda state: {"local": state.local, "global": held(state)})
 
 
 METHOD = methods.Method(
     name="fedala", builder=fedala,
     paper=('Zhang et al., "FedALA: Adaptive Local Aggregation for Personalized '
            'Federated Learning", AAAI 2023'),
-    shares_head=False, default=False)
+    shares_head=False, default=False,
+    test=methods.TestSpec(kwargs={"eta": 0.6, "ala_steps": 2}, trains="ala",
+                          phased=True))

@@ -12,7 +12,6 @@ from pflax._src.aggregators import byzantine
 from pflax._src.aggregators import fedavg as fedavg_lib
 from pflax._src.aggregators import robust as robust_lib
 from pflax._src.core import checks
-from pflax._src.core import tree as tree_lib
 from pflax._src.core import types
 from pflax._src.methods import algorithm as alg
 from pflax._src.methods import common
@@ -24,9 +23,10 @@ class GlobalModel(NamedTuple):
   num_samples: chex.Array
 
 
-def broadcast_global(state: GlobalModel) -> types.Stacked:
-  """Every client's copy of the global model."""
-  return tree_lib.broadcast(state.model, state.num_samples.shape[0])
+def client_models(state: GlobalModel) -> types.Stacked:
+  """`Algorithm.client_models` of the global-model methods: every client's copy of
+  the global model (FedProx's client context too)."""
+  return common.broadcast_global(state.model, state.num_samples)
 
 
 def global_algorithm(optimizer: optax.GradientTransformation, loss: Callable,
@@ -48,13 +48,13 @@ def global_algorithm(optimizer: optax.GradientTransformation, loss: Callable,
                                           reference=state.model))
 
   def evaluate(state):
-    held = broadcast_global(state)
+    held = client_models(state)
     return {"personalized": held, "global": held}
 
   return alg.Algorithm(
       init=lambda params, class_counts, key: GlobalModel(
           common.first(params), common.sample_counts(class_counts)),
-      client_models=broadcast_global, loss=loss, optimizer=optimizer,
+      client_models=client_models, loss=loss, optimizer=optimizer,
       server_update=server_update, evaluate=evaluate, client_context=client_context,
       uploads=uploads)
 
@@ -160,4 +160,5 @@ METHOD = methods.Method(
     name="fedavg", builder=fedavg,
     paper=('McMahan et al., "Communication-Efficient Learning of Deep Networks '
            'from Decentralized Data", AISTATS 2017'),
-    shares_head=True, default=True)
+    shares_head=True, default=True,
+    differentiable=("lr",))

@@ -9,7 +9,6 @@ import optax
 
 from pflax._src import methods
 from pflax._src.aggregators import fedavg as fedavg_lib
-from pflax._src.core import tree as tree_lib
 from pflax._src.core import types
 from pflax._src.core import weights as weights_lib
 from pflax._src.methods import algorithm as alg
@@ -40,9 +39,9 @@ def init(params: types.Stacked, class_counts: chex.Array,
                          common.sample_counts(class_counts))
 
 
-def broadcast_global(state: FineTunedModels) -> types.Stacked:
-  """Every client's copy of the global model."""
-  return tree_lib.broadcast(state.global_model, state.num_samples.shape[0])
+def client_models(state: FineTunedModels) -> types.Stacked:
+  """`Algorithm.client_models`: every client's copy of the global model."""
+  return common.broadcast_global(state.global_model, state.num_samples)
 
 
 def keep_tuned(state: FineTunedModels, tuned: types.Stacked,
@@ -55,13 +54,13 @@ def keep_tuned(state: FineTunedModels, tuned: types.Stacked,
 def tuned_or_global(state: FineTunedModels) -> types.Stacked:
   """Each client's latest fine-tuned model, the global model for a client that
   never trained."""
-  return weights_lib.keep_masked(state.tuned, broadcast_global(state),
+  return weights_lib.keep_masked(state.tuned, client_models(state),
                                  state.has_tuned)
 
 
 def evaluate(state: FineTunedModels) -> dict[str, types.Stacked]:
   """`Algorithm.evaluate`: the fine-tuned models, and the global model."""
-  return {"personalized": tuned_or_global(state), "global": broadcast_global(state)}
+  return {"personalized": tuned_or_global(state), "global": client_models(state)}
 
 
 def fedavg_ft(model: nn.Module,
@@ -105,7 +104,7 @@ def fedavg_ft(model: nn.Module,
         global_model=fedavg_lib.fedavg(trained, state.num_samples, mask=mask))
 
   return alg.Algorithm(
-      init=init, client_models=broadcast_global,
+      init=init, client_models=client_models,
       loss=alg.cross_entropy_loss(model), optimizer=optimizer,
       server_update=server_update, evaluate=evaluate)
 

@@ -24,7 +24,7 @@ def frozen_head(optimizer: optax.GradientTransformation,
     return {"w": tree_lib.map_selected(lambda _: "head", lambda _: "w", pair["w"],
                                        flags),
             "v": jax.tree.map(lambda _: "v", pair["v"])}
-  return optax.multi_transform(
+  return optax.partition(
       {"w": optimizer, "v": optimizer, "head": optax.set_to_zero()}, labels)
 
 
@@ -79,7 +79,7 @@ def fedbabu(model: nn.Module, optimizer: optax.GradientTransformation, *,
     return fedavg_ft.init(params, class_counts, key)
 
   def client_models(state):
-    received = fedavg_ft.broadcast_global(state)
+    received = fedavg_ft.client_models(state)
     return {"w": received, "v": received}
 
   def loss(pair, context, batch, key):
@@ -107,4 +107,5 @@ METHOD = methods.Method(
     name="fedbabu", builder=fedbabu,
     paper=('Oh, Kim, Yun, "FedBABU: Toward Enhanced Representation for Federated '
            'Image Classification", ICLR 2022'),
-    shares_head=False, default=False)
+    shares_head=False, default=False,
+    test=methods.TestSpec(trains="pair"))

@@ -144,4 +144,10 @@ METHOD = methods.Method(
            'Personalized Federated Learning on Heterogeneous Neural '
            'Networks", ICPP 2022'),
     optimizer={"optimizer": "adam", "lr": 1e-3, "adam_b1": 0.5},
-    shares_head=True, default=True)
+    shares_head=True, default=True,
+    differentiable=("lr", "rho"),
+    not_differentiable={
+        "supcon_temperature": "smooth, but its hypergradient is not tested yet",
+        "supcon_base_temperature": "smooth, but its hypergradient is not tested yet"},
+    test=methods.TestSpec(kwargs={"rho": 0.8, "supcon_temperature": 2.0,
+                                 "supcon_base_temperature": 0.5}))

@@ -63,4 +63,7 @@ def feddwa(model: nn.Module, optimizer: optax.GradientTransformation,
 METHOD = methods.Method(
     name="feddwa", builder=feddwa,
     paper="FedDWA, Electronics 2025, Sec. 4.2",
-    shares_head=False, default=True)
+    shares_head=False, default=True,
+    differentiable=("lr", "alpha", "lam", "temperature"),
+    test=methods.TestSpec(kwargs={"alpha": 0.3, "lam": 0.7, "temperature": 0.5},
+                          trains="pair"))

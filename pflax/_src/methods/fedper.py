@@ -111,4 +111,5 @@ METHOD = methods.Method(
     name="fedper", builder=fedper,
     paper=('Arivazhagan et al., "Federated Learning with Personalization Layers", '
            'arXiv:1912.00818, 2019'),
-    shares_head=False, default=False)
+    shares_head=False, default=False,
+    test=methods.TestSpec(kwargs={"personal": common.OUTPUT_LAYER}))

@@ -40,11 +40,13 @@ def fedprox(model: nn.Module, optimizer: optax.GradientTransformation, *,
   return fedavg.global_algorithm(
       optimizer, loss, fedavg.global_aggregator(robust, trim_fraction, max_share,
                                               num_byzantine, radius),
-      client_context=fedavg.broadcast_global, clip_norm=clip_norm,
+      client_context=fedavg.client_models, clip_norm=clip_norm,
       uploads=alg.everything if robust == "none" else None)
 
 
 METHOD = methods.Method(
     name="fedprox", builder=fedprox,
     paper='Li et al., "Federated Optimization in Heterogeneous Networks", MLSys 2020',
-    shares_head=False, default=True)
+    shares_head=False, default=True,
+    differentiable=("lr", "mu"),
+    test=methods.TestSpec(kwargs={"mu": 0.3}))

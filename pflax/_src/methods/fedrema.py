@@ -72,4 +72,10 @@ METHOD = methods.Method(
     name="fedrema", builder=fedrema,
     paper=('Liang et al., "FedReMa: Improving Personalized Federated Learning via '
            'Leveraging the Most Relevant Clients", ECAI 2024'),
-    shares_head=False, default=True)
+    shares_head=False, default=True,
+    differentiable=("lr",),
+    not_differentiable={
+        "temperature": "the soft logits enter only the MDS selection of peers and "
+                       "the CCP test (booleans), so its gradient is exactly 0",
+        "delta": "a threshold of the CCP test (a boolean)"},
+    test=methods.TestSpec(kwargs={"temperature": 0.7}))

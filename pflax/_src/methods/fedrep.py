@@ -57,4 +57,5 @@ METHOD = methods.Method(
     name="fedrep", builder=fedrep,
     paper=('Collins et al., "Exploiting Shared Representations for Personalized '
            'Federated Learning", ICML 2021'),
-    shares_head=False, default=False)
+    shares_head=False, default=False,
+    test=methods.TestSpec(kwargs={"head_steps": 2}, phased=True))

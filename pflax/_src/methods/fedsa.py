@@ -43,4 +43,13 @@ def fedsa(model: nn.Module, optimizer: optax.GradientTransformation,
 METHOD = methods.Method(
     name="fedsa", builder=fedsa,
     paper='"FedSA: the Key of Parameter Skew in Federated Learning"',
-    shares_head=True, default=True)
+    shares_head=True, default=True,
+    differentiable=("lr",),
+    not_differentiable={
+        "cv_threshold": "a threshold deciding which parameters are high-dispersion",
+        "sim_threshold": "a threshold deciding which Macro-Classes merge"},
+    test=methods.TestSpec(
+        # One MAC cluster: the clients left out join it above sim_threshold
+        # (docs/methods.md, FedSA).
+        kwargs={"cv_threshold": 0.5, "num_mic": 3, "num_mac": 1,
+                "sim_threshold": 0.3}))

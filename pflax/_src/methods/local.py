@@ -63,4 +63,5 @@ def local(model: nn.Module, optimizer: optax.GradientTransformation, *,
 METHOD = methods.Method(
     name="local", builder=local,
     paper="the Local baseline of personalized-FL papers (no aggregation)",
-    shares_head=True, default=True)
+    shares_head=True, default=True,
+    differentiable=("lr",))

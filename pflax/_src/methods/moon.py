@@ -10,7 +10,6 @@ import optax
 
 from pflax._src import methods
 from pflax._src.aggregators import fedavg as fedavg_lib
-from pflax._src.core import tree as tree_lib
 from pflax._src.core import types
 from pflax._src.core import weights as weights_lib
 from pflax._src.methods import algorithm as alg
@@ -100,8 +99,7 @@ def moon(model: nn.Module, optimizer: optax.GradientTransformation, *,
     ce = losses.cross_entropy(alg.logits(model, params, batch.x), batch.y, batch.mask)
     return ce + mu * con
 
-  def broadcast_global(state):
-    return tree_lib.broadcast(state.model, state.num_samples.shape[0])
+  held = lambda state: common.broadcast_global(state.model, state.num_samples)
 
   def server_update(state, trained, mask, key):
     del key
@@ -110,19 +108,19 @@ def moon(model: nn.Module, optimizer: optax.GradientTransformation, *,
         previous=weights_lib.keep_masked(trained, state.previous, mask))
 
   def evaluate(state):
-    held = broadcast_global(state)
-    return {"personalized": held, "global": held}
+    return {"personalized": held(state), "global": held(state)}
 
   return alg.Algorithm(
       init=lambda params, class_counts, key: ContrastiveModels(
           common.first(params), params, common.sample_counts(class_counts)),
-      client_models=broadcast_global, loss=loss, optimizer=optimizer,
+      client_models=held, loss=loss, optimizer=optimizer,
       server_update=server_update, evaluate=evaluate,
-      client_context=lambda state: {"global": broadcast_global(state),
+      client_context=lambda state: {"global": held(state),
                                     "previous": state.previous})
 
 
 METHOD = methods.Method(
     name="moon", builder=moon,
     paper='Li, He, Song, "Model-Contrastive Federated Learning", CVPR 2021',
-    shares_head=False, default=False)
+    shares_head=False, default=False,
+    test=methods.TestSpec(kwargs={"mu": 0.7, "temperature": 0.8}))

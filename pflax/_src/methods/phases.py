@@ -4,13 +4,15 @@ The engine runs a fixed number of local steps per round with one optimizer
 (`pflax.train`). A method whose clients first train one part of their model
 with the rest frozen, then the rest with the first part frozen (FedRep's head,
 then body; FedALA's aggregation weights, then the model), does it with
-`two_phases`: an optimizer whose state counts the round's steps. Steps
-whose batch holds no real sample leave the optimizer state untouched
-(`pflax.train.train_client`), so the count is the client's real steps.
-`box_projection` keeps trained weights in a box (FedALA's `W`, APFL's `alpha`).
+`two_phases`: `optax.partition` of the two parts, each part's optimizer
+active in its own phase only (`masked_outside`), its state counting the
+round's steps. Steps whose batch holds no real sample leave the optimizer state
+untouched (`pflax.train.train_client`), so the count is the client's real
+steps. `box_projection` keeps trained weights in a box (FedALA's `W`, APFL's
+`alpha`).
 """
 
-from typing import Any, NamedTuple
+from collections.abc import Callable
 
 import chex
 import jax
@@ -21,25 +23,45 @@ from pflax._src.core import tree as tree_lib
 from pflax._src.core import types
 
 
-class TwoPhaseState(NamedTuple):
-  """The optimizer state of each part and the round's step count.
+def masked_outside(inner: optax.GradientTransformation,
+                   active: Callable[[chex.Array], chex.Array]
+                   ) -> optax.GradientTransformation:
+  """`inner` at the steps `t` (counted from 0) where `active(t)`; elsewhere zero
+  updates and `inner`'s state unchanged.
 
-  Attributes:
-    first: the first part's optimizer state (the part `where` selects).
-    second: the other part's optimizer state.
-    step: int32, the steps taken this round.
+  `optax.transforms.conditionally_mask`, state included
+  (`ConditionallyMaskState`), choosing with `jnp.where` instead of its
+  `lax.cond`.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> opt = masked_outside(optax.sgd(1.0), lambda step: step >= 1)
+    >>> params = jnp.zeros(1)
+    >>> updates, state = opt.update(jnp.ones(1), opt.init(params), params)
+    >>> updates, state = opt.update(jnp.ones(1), state, params)
+    >>> float(updates[0]), int(state.step)
+    (-1.0, 2)
+
+  Notes:
+    [settled] Under `jit` the `lax.cond` changes how XLA fuses the inner
+    update: FedRep's and FedALA's losses and models then differ in the last
+    bits from this `jnp.where`'s, which are the former hand-written two-phase
+    optimizer's. (With a step count batched over clients, `lax.cond` is a
+    select anyway.)
   """
-  first: Any
-  second: Any
-  step: chex.Array
+  def init(params):
+    return optax.transforms.ConditionallyMaskState(
+        step=jnp.zeros([], jnp.int32), inner_state=inner.init(params))
 
+  def update(updates, state, params=None):
+    on = active(state.step)
+    new_updates, new_state = inner.update(updates, state.inner_state, params)
+    pick = lambda new, old: jax.tree.map(lambda a, b: jnp.where(on, a, b), new, old)
+    return pick(new_updates, jax.tree.map(jnp.zeros_like, new_updates)), (
+        optax.transforms.ConditionallyMaskState(
+            step=state.step + 1, inner_state=pick(new_state, state.inner_state)))
 
-def _pick(flag: chex.Array, new: Any, old: Any) -> Any:
-  return jax.tree.map(lambda a, b: jnp.where(flag, a, b), new, old)
-
-
-def _zeros(tree: Any) -> Any:
-  return jax.tree.map(jnp.zeros_like, tree)
+  return optax.GradientTransformation(init, update)
 
 
 def two_phases(where: types.Selector, first: optax.GradientTransformation,
@@ -47,11 +69,13 @@ def two_phases(where: types.Selector, first: optax.GradientTransformation,
                first_steps: int) -> optax.GradientTransformation:
   """Trains the leaves `where` selects for `first_steps` steps, then the others.
 
-  Each part has its own optimizer state, touched only in its own phase: a
-  frozen part gets zero updates and its state (momentum, Adam's moments and
-  count) stays as it was, as for a PyTorch parameter with `requires_grad`
-  off. Gradient clipping in `first` or `second` sees its own part's gradient
-  only.
+  `optax.partition` of the parts labelled "first" and "second", each part's
+  optimizer `masked_outside` its phase: a frozen part gets zero updates and
+  its state (momentum, Adam's moments and count) stays as it was, as for a
+  PyTorch parameter with `requires_grad` off. Gradient clipping in `first` or
+  `second` sees its own part's gradient only. The state is optax's
+  `PartitionState`, its inner states `{"first": ..., "second": ...}` each
+  counting the round's steps (`ConditionallyMaskState.step`).
 
   Args:
     where: selector of the part trained first.
@@ -75,27 +99,19 @@ def two_phases(where: types.Selector, first: optax.GradientTransformation,
   if first_steps < 0:
     raise ValueError(f"first_steps must be >= 0, got {first_steps}.")
 
-  def init(params):
-    one, other = tree_lib.partition(params, where)
-    return TwoPhaseState(first.init(one), second.init(other), jnp.zeros((), jnp.int32))
+  def labels(tree):
+    return tree_lib.map_selected(lambda _: "first", lambda _: "second", tree,
+                                 tree_lib.selection(tree, where))
 
-  def update(grads, state, params=None):
-    g_one, g_other = tree_lib.partition(grads, where)
-    p_one, p_other = tree_lib.partition(params, where)
-    u_one, s_one = first.update(g_one, state.first, p_one)
-    u_other, s_other = second.update(g_other, state.second, p_other)
-    on_first = state.step < first_steps
-    updates = tree_lib.combine(_pick(on_first, u_one, _zeros(u_one)),
-                               _pick(on_first, _zeros(u_other), u_other))
-    return updates, TwoPhaseState(_pick(on_first, s_one, state.first),
-                                  _pick(on_first, state.second, s_other),
-                                  state.step + 1)
-
-  return optax.GradientTransformation(init, update)
+  return optax.partition(
+      {"first": masked_outside(first, lambda step: step < first_steps),
+       "second": masked_outside(second, lambda step: step >= first_steps)},
+      labels)
 
 
 def box_projection(low: float, high: float) -> optax.GradientTransformation:
-  """Updates that keep the parameters in `[low, high]`: `clip(p + u) - p`, so that
+  """Updates that keep the parameters in `[low, high]`: `clip(p + u) - p`
+  (`optax.projections.projection_box` of each updated leaf), so that
   chained after SGD the step is projected gradient descent.
 
   Example:
@@ -107,6 +123,8 @@ def box_projection(low: float, high: float) -> optax.GradientTransformation:
     [0.5, -0.25]
   """
   def update(updates, state, params=None):
-    return jax.tree.map(lambda u, p: jnp.clip(p + u, low, high) - p,
-                        updates, params), state
+    # Leaf by leaf: `projection_box` takes scalar bounds for one array only.
+    return jax.tree.map(
+        lambda u, p: optax.projections.projection_box(p + u, low, high) - p,
+        updates, params), state
   return optax.GradientTransformation(lambda params: optax.EmptyState(), update)

@@ -2,7 +2,8 @@
 
 `METHODS` is the one list of pflax's methods: `pflax-run`, the simulation and
 `pflax.algorithms` read it. Adding a method is its file (state, builder,
-`METHOD`) and its name's line in `NAMES`; the order is `pflax-run`'s and the
+`METHOD`), its name's line in `NAMES` and its reference in
+tests/test_algorithms.py; the order is `pflax-run`'s and the
 plots' colours.
 """
 

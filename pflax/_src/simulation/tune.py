@@ -37,6 +37,7 @@ from pflax._src.data import federation as federation_lib
 from pflax._src.data import partition as partition_lib
 from pflax._src.data import split as split_lib
 from pflax._src.methods import algorithm as alg
+from pflax._src.methods import registry
 from pflax._src.simulation import engine
 from pflax._src.simulation import groups as groups_lib
 from pflax._src.simulation import plots
@@ -47,17 +48,11 @@ from pflax._src.training import mapping
 from pflax._src.training import train as train_lib
 
 DIFFERENTIABLE: Mapping[str, tuple[str, ...]] = {
-    "local": ("lr",),
-    "fedavg": ("lr",),
-    "fedprox": ("lr", "mu"),
-    "cwfedavg": ("lr", "wdr_coef"),
-    "fedclassavg": ("lr", "rho"),
-    "fedsa": ("lr",),
-    "feddwa": ("lr", "alpha", "lam", "temperature"),
-    "fedrema": ("lr",),
-}
+    name: method.differentiable for name, method in registry.METHODS.items()
+    if method.differentiable is not None}
 """The keywords with a useful hypergradient, per built-in algorithm ("lr" is the
-clients' learning rate; the others are the builder's keywords).
+clients' learning rate; the others are the builder's keywords): each method's
+`Method.differentiable`, in its file.
 
 FedProx's `mu`, cwFedAvg's `wdr_coef`, FedClassAvg's `rho` and FedDWA's `lam`
 weight terms of the local loss; FedDWA's `alpha` and `temperature` weight the
@@ -69,18 +64,10 @@ temperatures (not checked yet), robust options (`trim_fraction`, `max_share`,
 `clip_norm`)."""
 
 NOT_DIFFERENTIABLE: Mapping[str, Mapping[str, str]] = {
-    "fedrema": {
-        "temperature": "the soft logits enter only the MDS selection of peers and "
-                       "the CCP test (booleans), so its gradient is exactly 0",
-        "delta": "a threshold of the CCP test (a boolean)"},
-    "fedsa": {
-        "cv_threshold": "a threshold deciding which parameters are high-dispersion",
-        "sim_threshold": "a threshold deciding which Macro-Classes merge"},
-    "fedclassavg": {
-        "supcon_temperature": "smooth, but its hypergradient is not tested yet",
-        "supcon_base_temperature": "smooth, but its hypergradient is not tested yet"},
-}
-"""Why a float keyword of a built-in algorithm is refused."""
+    name: method.not_differentiable for name, method in registry.METHODS.items()
+    if method.not_differentiable}
+"""Why a float keyword of a built-in algorithm is refused: each method's
+`Method.not_differentiable`."""
 
 _ROBUST = {"trim_fraction": "it decides which coordinates are cut (order statistics)",
            "max_share": "a cap (a piecewise-linear clip) on the clients' weights",
