@@ -194,3 +194,67 @@ def test_masked_nonfinite_clients_are_ignored():
 def test_bad_inputs_are_one_line_errors(call, message):
   with pytest.raises(ValueError, match=message):
     call(_params(60))
+
+
+# ------------------------------------- the shared parts of personalized methods
+
+
+SHARED_PART_METHODS = ("fedper", "fedrep", "ditto", "fedbabu", "fedavg_ft",
+                       "fedclassavg")
+"""The personalized methods whose shared part takes a robust rule (docs/robustness.md)."""
+
+
+def _after_a_round_with_one_liar(name, **keywords):
+  """Every client's models after one round where clients 0-3 upload their start
+  models + 1 and client 4 its start + 1e6: `(start, handed out)`, rows 0-3."""
+  from pflax import algorithms  # pylint: disable=import-outside-toplevel
+  from pflax import models  # pylint: disable=import-outside-toplevel
+  from pflax import simulate  # pylint: disable=import-outside-toplevel
+  model = models.MLP(3, hidden=(4,))
+  shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 5)))["params"]
+  rng = np.random.default_rng(0)
+  params = jax.tree.map(lambda s: jnp.asarray(
+      np.broadcast_to(rng.normal(size=s.shape), (5, *s.shape)), jnp.float32), shapes)
+  counts = jnp.asarray([[2, 1, 1], [1, 3, 0], [0, 2, 2], [3, 0, 1], [4, 4, 4]],
+                       jnp.int32)
+  algorithm = algorithms.METHODS[name].builder(
+      model, simulate.client_optimizer("sgd", 0.1), **keywords)
+  state = algorithm.init(params, counts, jax.random.key(1))
+  start = algorithm.client_models(state)
+  trained = jax.tree.map(lambda x: x + jnp.where(
+      jnp.arange(5).reshape((-1,) + (1,) * (x.ndim - 1)) == 4, 1e6, 1.0), start)
+  state = algorithm.server_update(state, trained, jnp.ones(5, bool), jax.random.key(2))
+  rows = lambda tree: [np.asarray(x)[:4] for x in jax.tree.leaves(tree)]
+  return rows(start), rows(algorithm.client_models(state))
+
+
+@pytest.mark.parametrize("name", SHARED_PART_METHODS)
+def test_the_shared_part_of_a_personalized_method_takes_the_robust_rule(name):
+  start, mean = _after_a_round_with_one_liar(name)
+  _, median = _after_a_round_with_one_liar(name, robust="median")
+  # The sample-weighted mean lets the liar (a third of the samples) pull the
+  # shared part by about 3e5; the median hands out the honest clients' value.
+  assert max(np.abs(m - s).max() for m, s in zip(mean, start)) > 1e4
+  for m, s in zip(median, start):
+    np.testing.assert_array_less(np.abs(m - s), 1.0 + 1e-4)
+
+
+@pytest.mark.parametrize("name", SHARED_PART_METHODS)
+def test_robust_shared_parts_are_refused_under_dp_and_checked(name):
+  from pflax import algorithms  # pylint: disable=import-outside-toplevel
+  from pflax import models  # pylint: disable=import-outside-toplevel
+  from pflax import privacy  # pylint: disable=import-outside-toplevel
+  from pflax import simulate  # pylint: disable=import-outside-toplevel
+  build = lambda **kw: algorithms.METHODS[name].builder(
+      models.MLP(3), simulate.client_optimizer("sgd", 0.1), **kw)
+  robust = build(robust="krum", num_byzantine=1)
+  if name != "fedclassavg":   # FedClassAvg is refused for its warm-up anyway
+    assert "robust" in privacy.not_covered(robust, None)
+  with pytest.raises(ValueError, match="robust must be one of"):
+    build(robust="mean")
+  with pytest.raises(ValueError, match="radius"):
+    build(robust="centered_clipping", radius=0.0)
+  config = simulate.ExperimentConfig(clients=6, rounds=1, model="mlp", hyperparameters={
+      name: {"robust": "bulyan", "num_byzantine": 1}})
+  with pytest.raises(ValueError, match="needs at least 7 participants"):
+    simulate.run(name, config, 0)   # refused before any data or compilation

@@ -7,11 +7,11 @@ import flax.linen as nn
 import optax
 
 from pflax._src import methods
-from pflax._src.aggregators import fedavg as fedavg_lib
 from pflax._src.core import types
 from pflax._src.core import weights as weights_lib
 from pflax._src.methods import algorithm as alg
 from pflax._src.methods import common
+from pflax._src.methods import fedavg
 
 
 class DittoModels(NamedTuple):
@@ -33,7 +33,9 @@ def _held(state: DittoModels) -> types.Stacked:
 
 
 def ditto(model: nn.Module, optimizer: optax.GradientTransformation, *,
-          lam: float = 0.1) -> alg.Algorithm:
+          lam: float = 0.1, robust: str = "none",
+          trim_fraction: float = 0.1, num_byzantine: int = 0,
+          radius: float = 1.0) -> alg.Algorithm:
   """Ditto: FedAvg's global model `w` plus personal models `v_i` anchored at it.
 
   Li, Hu, Beirami and Smith, "Ditto: Fair and Robust Federated Learning Through
@@ -49,6 +51,9 @@ def ditto(model: nn.Module, optimizer: optax.GradientTransformation, *,
     optimizer: the optimizer of each of the two models.
     lam: the personal models' proximal weight `lambda` (>= 0; the paper tunes it
       per dataset).
+    robust, trim_fraction, num_byzantine, radius: the rule that aggregates
+      the global models `w`, as FedAvg's (`pflax.algorithms.fedavg`; "none": the
+      sample-weighted mean; docs/robustness.md).
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -67,11 +72,14 @@ def ditto(model: nn.Module, optimizer: optax.GradientTransformation, *,
   """
   alg.check_range("lam", lam, 0.0)
   loss = common.proximal_pair_loss(model, lam)
+  aggregate = fedavg.global_aggregator(robust, trim_fraction, None, num_byzantine,
+                                       radius)
 
   def server_update(state, trained, mask, key):
     del key
     return state._replace(
-        global_model=fedavg_lib.fedavg(trained["w"], state.num_samples, mask=mask),
+        global_model=aggregate(trained["w"], state.num_samples, mask=mask,
+                               reference=state.global_model),
         personal=weights_lib.keep_masked(trained["v"], state.personal, mask))
 
   return alg.Algorithm(
@@ -79,7 +87,7 @@ def ditto(model: nn.Module, optimizer: optax.GradientTransformation, *,
           common.first(params), params, common.sample_counts(class_counts)),
       client_models=lambda state: {"w": _held(state), "v": state.personal},
       loss=loss, optimizer=alg.per_model(optimizer, ("w", "v")),
-      uploads=alg.model_named("w"),
+      uploads=alg.model_named("w") if robust == "none" else None,
       server_update=server_update,
       evaluate=lambda state: {"personalized": state.personal,
                               "global": _held(state)},

@@ -8,11 +8,11 @@ import jax.numpy as jnp
 import optax
 
 from pflax._src import methods
-from pflax._src.aggregators import fedavg as fedavg_lib
 from pflax._src.core import types
 from pflax._src.core import weights as weights_lib
 from pflax._src.methods import algorithm as alg
 from pflax._src.methods import common
+from pflax._src.methods import fedavg
 
 
 class FineTunedModels(NamedTuple):
@@ -64,7 +64,9 @@ def evaluate(state: FineTunedModels) -> dict[str, types.Stacked]:
 
 
 def fedavg_ft(model: nn.Module,
-              optimizer: optax.GradientTransformation) -> alg.Algorithm:
+              optimizer: optax.GradientTransformation, *, robust: str = "none",
+              trim_fraction: float = 0.1, num_byzantine: int = 0,
+              radius: float = 1.0) -> alg.Algorithm:
   """FedAvg-FT: FedAvg, each client's personalized model fine-tuned from it locally.
 
   The baseline of Cheng, Chadha and Duchi, "Fine-tuning is Fine in Federated
@@ -80,6 +82,9 @@ def fedavg_ft(model: nn.Module,
   Args:
     model: the clients' Flax model.
     optimizer: the clients' optimizer (of training and fine-tuning alike).
+    robust, trim_fraction, num_byzantine, radius: the rule that aggregates
+      the uploads, as FedAvg's (`pflax.algorithms.fedavg`; "none": the
+      sample-weighted mean; docs/robustness.md).
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -98,10 +103,14 @@ def fedavg_ft(model: nn.Module,
     start of its latest round (one round behind the newest aggregate); see
     docs/methods.md#fedavg-ft.
   """
+  aggregate = fedavg.global_aggregator(robust, trim_fraction, None, num_byzantine,
+                                       radius)
+
   def server_update(state, trained, mask, key):
     del key
     return keep_tuned(state, trained, mask)._replace(
-        global_model=fedavg_lib.fedavg(trained, state.num_samples, mask=mask))
+        global_model=aggregate(trained, state.num_samples, mask=mask,
+                               reference=state.global_model))
 
   return alg.Algorithm(
       init=init, client_models=client_models,

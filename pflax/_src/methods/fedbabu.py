@@ -5,10 +5,10 @@ import jax
 import optax
 
 from pflax._src import methods
-from pflax._src.aggregators import fedavg as fedavg_lib
 from pflax._src.core import tree as tree_lib
 from pflax._src.core import types
 from pflax._src.methods import algorithm as alg
+from pflax._src.methods import fedavg
 from pflax._src.methods import fedavg_ft
 from pflax._src.training import parts as parts_lib
 
@@ -30,7 +30,9 @@ def frozen_head(optimizer: optax.GradientTransformation,
 
 def fedbabu(model: nn.Module, optimizer: optax.GradientTransformation, *,
             head: types.Selector | None = None,
-            parts: parts_lib.Parts | None = None) -> alg.Algorithm:
+            parts: parts_lib.Parts | None = None, robust: str = "none",
+            trim_fraction: float = 0.1, num_byzantine: int = 0,
+            radius: float = 1.0) -> alg.Algorithm:
   """FedBABU: FedAvg of the body under a frozen random head, then fine-tuning.
 
   Oh, Kim and Yun, "FedBABU: Toward Enhanced Representation for Federated Image
@@ -53,6 +55,9 @@ def fedbabu(model: nn.Module, optimizer: optax.GradientTransformation, *,
     head: selector of the frozen head; None: the output layer (`parts.output`).
     parts: the model's `pflax.models.Parts`; None for pflax's models (read only
       when `head` is None).
+    robust, trim_fraction, num_byzantine, radius: the rule that aggregates
+      the bodies, as FedAvg's (`pflax.algorithms.fedavg`; "none": the
+      sample-weighted mean; docs/robustness.md).
 
   Example:
     >>> import optax
@@ -71,6 +76,8 @@ def fedbabu(model: nn.Module, optimizer: optax.GradientTransformation, *,
   if head is None:
     head = parts_lib.resolve(model, parts, "fedbabu").output
   ce = alg.cross_entropy_loss(model)
+  aggregate = fedavg.global_aggregator(robust, trim_fraction, None, num_byzantine,
+                                       radius)
 
   def init(params, class_counts, key):
     if all(tree_lib.required_selection(params, head, "head")):
@@ -89,8 +96,8 @@ def fedbabu(model: nn.Module, optimizer: optax.GradientTransformation, *,
   def server_update(state, trained, mask, key):
     del key
     _, body = tree_lib.partition(trained["w"], head)
-    frozen, _ = tree_lib.partition(state.global_model, head)
-    body = fedavg_lib.fedavg(body, state.num_samples, mask=mask)
+    frozen, received = tree_lib.partition(state.global_model, head)
+    body = aggregate(body, state.num_samples, mask=mask, reference=received)
     return fedavg_ft.keep_tuned(state, trained["v"], mask)._replace(
         global_model=tree_lib.combine(frozen, body))
 
@@ -98,7 +105,8 @@ def fedbabu(model: nn.Module, optimizer: optax.GradientTransformation, *,
       init=init, client_models=client_models, loss=loss,
       optimizer=frozen_head(optimizer, head),
       server_update=server_update, evaluate=fedavg_ft.evaluate,
-      uploads=lambda trained: (  # leaves of "v" first: dict keys are sorted
+      uploads=None if robust != "none" else lambda trained: (
+          # leaves of "v" first: dict keys are sorted
           [False] * len(jax.tree.leaves(trained["v"]))
           + [not f for f in tree_lib.selection(trained["w"], head)]))
 

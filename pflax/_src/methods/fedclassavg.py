@@ -9,13 +9,13 @@ import jax.numpy as jnp
 import optax
 
 from pflax._src import methods
-from pflax._src.aggregators import fedavg as fedavg_lib
 from pflax._src.core import tree as tree_lib
 from pflax._src.core import types
 from pflax._src.core import weights as weights_lib
 from pflax._src.data import augment as augment_lib
 from pflax._src.methods import algorithm as alg
 from pflax._src.methods import common
+from pflax._src.methods import fedavg
 from pflax._src.training import losses
 from pflax._src.training import parts as parts_lib
 
@@ -41,7 +41,9 @@ def fedclassavg(model: nn.Module, optimizer: optax.GradientTransformation, *,
                 warmup_epochs: int = 1,
                 classifier: types.Selector | None = None,
                 parts: parts_lib.Parts | None = None,
-                augment: str = "translate") -> alg.Algorithm:
+                augment: str = "translate", robust: str = "none",
+                trim_fraction: float = 0.1, num_byzantine: int = 0,
+                radius: float = 1.0) -> alg.Algorithm:
   """FedClassAvg (Jang et al.): averaged classifier, SupCon on two views, proximal head.
 
   Local objective (Eq. 4): `CE(y, f(x')) + SupCon(F(x'), F(x'')) +
@@ -68,6 +70,9 @@ def fedclassavg(model: nn.Module, optimizer: optax.GradientTransformation, *,
       brightness/contrast/saturation jitter 0.4 with p = 0.8, no hue jitter;
       `pflax._src.data.augment.simclr`) or `"none"` (the batch itself; only
       with `supcon=False`, since SupCon's two views would be equal).
+    robust, trim_fraction, num_byzantine, radius: the rule that aggregates
+      the classifiers, as FedAvg's (`pflax.algorithms.fedavg`; "none": the
+      sample-weighted mean; docs/robustness.md).
 
   Notes:
     [settled: authors' code] SupCon acts on the last hidden layer's linear
@@ -88,6 +93,8 @@ def fedclassavg(model: nn.Module, optimizer: optax.GradientTransformation, *,
   parts = parts_lib.resolve(model, parts, "fedclassavg")
   classifier = parts.output if classifier is None else classifier
   representation = parts_lib.representation_fn(model, parts)
+  aggregate = fedavg.global_aggregator(robust, trim_fraction, None, num_byzantine,
+                                       radius)
 
   def loss(params, global_head, batch, key):
     k1, k2 = jax.random.split(key)
@@ -117,7 +124,7 @@ def fedclassavg(model: nn.Module, optimizer: optax.GradientTransformation, *,
     heads = tree_lib.selected(trained, classifier)
     return state._replace(
         params=weights_lib.keep_masked(trained, state.params, mask),
-        head=fedavg_lib.fedavg(heads, state.num_samples, mask=mask))
+        head=aggregate(heads, state.num_samples, mask=mask, reference=state.head))
 
   def init(params, class_counts, key):
     del key

@@ -7,12 +7,12 @@ import flax.linen as nn
 import optax
 
 from pflax._src import methods
-from pflax._src.aggregators import fedavg as fedavg_lib
 from pflax._src.core import tree as tree_lib
 from pflax._src.core import types
 from pflax._src.core import weights as weights_lib
 from pflax._src.methods import algorithm as alg
 from pflax._src.methods import common
+from pflax._src.methods import fedavg
 from pflax._src.training import parts as parts_lib
 
 
@@ -46,7 +46,9 @@ def _split(params: types.Tree, personal: types.Selector) -> tuple[types.Tree,
 
 def fedper(model: nn.Module, optimizer: optax.GradientTransformation,
            *, personal: types.Selector | None = None,
-           parts: parts_lib.Parts | None = None) -> alg.Algorithm:
+           parts: parts_lib.Parts | None = None, robust: str = "none",
+           trim_fraction: float = 0.1, num_byzantine: int = 0,
+           radius: float = 1.0) -> alg.Algorithm:
   """FedPer: FedAvg of the base layers, personalization layers kept local.
 
   Arivazhagan et al., "Federated Learning with Personalization Layers",
@@ -66,6 +68,9 @@ def fedper(model: nn.Module, optimizer: optax.GradientTransformation,
       output layer, `parts.output`).
     parts: the model's `pflax.models.Parts`; None for pflax's models (read only
       when `personal` is None).
+    robust, trim_fraction, num_byzantine, radius: the rule that aggregates the
+      shared base layers, as FedAvg's (`pflax.algorithms.fedavg`; "none": the
+      sample-weighted mean; docs/robustness.md).
 
   Example:
     >>> import optax
@@ -83,6 +88,9 @@ def fedper(model: nn.Module, optimizer: optax.GradientTransformation,
     personal = parts_lib.classifier_selector(
         parts_lib.resolve(model, parts, "fedper"))
 
+  aggregate = fedavg.global_aggregator(robust, trim_fraction, None, num_byzantine,
+                                       radius)
+
   def init(params, class_counts, key):
     del key
     own, base = _split(params, personal)
@@ -96,7 +104,7 @@ def fedper(model: nn.Module, optimizer: optax.GradientTransformation,
     del key
     own, base = tree_lib.partition(trained, personal)
     return state._replace(
-        base=fedavg_lib.fedavg(base, state.num_samples, mask=mask),
+        base=aggregate(base, state.num_samples, mask=mask, reference=state.base),
         personal=weights_lib.keep_masked(own, state.personal, mask))
 
   return alg.Algorithm(
@@ -104,7 +112,8 @@ def fedper(model: nn.Module, optimizer: optax.GradientTransformation,
       loss=alg.cross_entropy_loss(model), optimizer=optimizer,
       server_update=server_update,
       evaluate=lambda state: {"personalized": client_models(state)},
-      uploads=lambda trained: [not f for f in tree_lib.selection(trained, personal)])
+      uploads=(None if robust != "none" else
+               lambda trained: [not f for f in tree_lib.selection(trained, personal)]))
 
 
 METHOD = methods.Method(

@@ -13,7 +13,9 @@ from pflax._src.training import parts as parts_lib
 
 def fedrep(model: nn.Module, optimizer: optax.GradientTransformation,
            *, head_steps: int = 10, head: types.Selector | None = None,
-           parts: parts_lib.Parts | None = None) -> alg.Algorithm:
+           parts: parts_lib.Parts | None = None, robust: str = "none",
+           trim_fraction: float = 0.1, num_byzantine: int = 0,
+           radius: float = 1.0) -> alg.Algorithm:
   """FedRep (Collins et al., "Exploiting Shared Representations for Personalized
   Federated Learning", ICML 2021, Algorithm 1): local heads, averaged body.
 
@@ -36,6 +38,9 @@ def fedrep(model: nn.Module, optimizer: optax.GradientTransformation,
       paper's final linear layer.
     parts: the model's `pflax.models.Parts`; None for pflax's models (read only
       when `head` is None).
+    robust, trim_fraction, num_byzantine, radius: the rule that aggregates the
+      shared body, as FedAvg's (`pflax.algorithms.fedavg`; "none": the
+      sample-weighted mean; docs/robustness.md).
 
   Notes:
     [settled] The engine runs a fixed number of local steps per round, so the
@@ -48,7 +53,9 @@ def fedrep(model: nn.Module, optimizer: optax.GradientTransformation,
     raise ValueError(f"head_steps must be >= 0, got {head_steps}.")
   if head is None:
     head = parts_lib.resolve(model, parts, "fedrep").output
-  shared_body = fedper.fedper(model, optimizer, personal=head)
+  shared_body = fedper.fedper(model, optimizer, personal=head, robust=robust,
+                              trim_fraction=trim_fraction,
+                              num_byzantine=num_byzantine, radius=radius)
   return shared_body._replace(
       optimizer=phases.two_phases(head, optimizer, optimizer, head_steps))
 

@@ -71,7 +71,8 @@ NOT_DIFFERENTIABLE: Mapping[str, Mapping[str, str]] = {
 
 _ROBUST = {"trim_fraction": "it decides which coordinates are cut (order statistics)",
            "max_share": "a cap (a piecewise-linear clip) on the clients' weights",
-           "clip_norm": "a clip of each update's norm, not tested yet"}
+           "clip_norm": "a clip of each update's norm, not tested yet",
+           "radius": "centered clipping's clip of each update, not tested yet"}
 
 PARAMETRIZATIONS = ("log", "logit", "identity")
 """How `tune` maps a keyword to an unconstrained value: "log" (positive values),
