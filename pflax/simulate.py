@@ -4,6 +4,7 @@ plot its records."""
 from pflax._src.simulation.plots import algorithm_color
 from pflax._src.simulation.plots import plot_accuracy
 from pflax._src.simulation.plots import plot_output_norms
+from pflax._src.simulation.plots import save_plots
 from pflax._src.simulation.records import Accuracy
 from pflax._src.simulation.records import Results
 from pflax._src.simulation.records import RoundRecord
@@ -33,6 +34,7 @@ __all__ = (
     "prepare",
     "resolve_builder",
     "run",
+    "save_plots",
     "sweep",
     "sweepable",
 )

@@ -2,7 +2,8 @@
 
 Floors, lowest first (`pflax/_src/<folder>`): core and data (independent of each
 other) -> aggregators -> training -> methods -> simulation -> flower -> cli, then
-the public modules `pflax/*.py`. Inside core the files are floors too.
+the public modules `pflax/*.py`. Inside core the files are floors too. Inside a
+floor the files import each other without a cycle.
 """
 
 import ast
@@ -66,3 +67,33 @@ def test_no_import_goes_up(path):
     if folder == target[0] == "core" and len(target) > 1:
       assert CORE_FLOORS[target[1]] < CORE_FLOORS[path.stem], (
           f"core/{path.name} imports core/{target[1]}.py, which is not below it")
+
+
+def _module_graph() -> dict[tuple[str, ...], set[tuple[str, ...]]]:
+  """Each `pflax._src` module (as `("simulation", "plots")`) and the modules it
+  imports; a name imported from a module (not a module itself) counts as that
+  module."""
+  nodes = {p.relative_to(SRC).with_suffix("").parts for p in _modules()}
+  resolve = lambda t: t if t in nodes else t[:-1]
+  return {p.relative_to(SRC).with_suffix("").parts:
+          {resolve(t) for t in _imported(p)} & nodes for p in _modules()}
+
+
+def test_no_import_cycle():
+  graph = _module_graph()
+  done, path = set(), []
+
+  def visit(node):
+    if node in path:
+      cycle = path[path.index(node):] + [node]
+      raise AssertionError("import cycle: " + " -> ".join(".".join(m) for m in cycle))
+    if node in done:
+      return
+    path.append(node)
+    for target in sorted(graph[node]):
+      visit(target)
+    path.pop()
+    done.add(node)
+
+  for node in sorted(graph):
+    visit(node)

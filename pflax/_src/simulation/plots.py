@@ -3,7 +3,7 @@
 `plot_accuracy` and `plot_output_norms` take a `Results` or the `RunRecord`s (or
 one) that `pflax.simulate.run` and `sweep` return, and return a pyplot figure, as
 `plt.subplots` would: a notebook shows it, `plt.show()` shows it, `fig.savefig`
-writes it. `Results.plot` writes both as PNGs from figures made without pyplot (no
+writes it. `save_plots` writes both as PNGs from figures made without pyplot (no
 backend chosen or changed, no window). matplotlib is imported only when a figure is
 drawn.
 """
@@ -219,9 +219,10 @@ def _output_norms(results: records.Results, seed: int | None,
   return fig
 
 
-def save(results: records.Results, out_dir: str) -> list[str]:
-  """`Results.plot`: writes `accuracy.png` and, if there is anything to show,
-  `output_norms.png` into `out_dir` (made if missing); returns their paths."""
+def save_plots(results: records.Results, out_dir: str) -> list[str]:
+  """Writes `accuracy.png` (`plot_accuracy`) and, if there are output norms or
+  class counts, `output_norms.png` (`plot_output_norms`) into `out_dir` (made if
+  missing); returns their paths."""
   os.makedirs(out_dir, exist_ok=True)
   figures = {"accuracy.png": (lambda: _accuracy(
       results, "personalized", None, _file_figure), 120)}
