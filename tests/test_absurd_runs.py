@@ -10,7 +10,7 @@ import pytest
 
 from pflax import simulate
 from pflax._src.simulation import engine
-from pflax._src.simulation import simulate as simulate_lib
+from pflax._src.simulation import experiment as experiment_lib
 
 CONFIG = simulate.ExperimentConfig(clients=6, rounds=1, model="mlp", local_epochs=1,
                                    outlier_factor=None)
@@ -21,7 +21,7 @@ def fedavg_reporting(bogus: float, every_client: bool):
   """FedAvg whose clients holding class 9 (or all) add `bogus` to their reported
   loss: a constant, so the trained models are FedAvg's own and finite."""
   def builder(model, optimizer):
-    algorithm = simulate_lib.resolve_builder("fedavg")(model, optimizer)
+    algorithm = experiment_lib.resolve_builder("fedavg")(model, optimizer)
 
     def loss(params, context, batch, key):
       lying = every_client or jnp.any((batch.y == LIAR_CLASS) & batch.mask)

@@ -25,7 +25,7 @@ from pflax import train
 from pflax._src.cli import main as cli
 from pflax._src.core import prng
 from pflax._src.simulation import engine
-from pflax._src.simulation import simulate as simulate_lib
+from pflax._src.simulation import experiment as experiment_lib
 
 NAMES = tuple(algorithms.METHODS)
 # End-to-end runs of every algorithm: the stateful ones (a global model, per-client
@@ -87,7 +87,7 @@ def test_num_faulty_rounds_like_python():
 
 
 def _plan(setup, config, name="fedavg", strategy="vmap"):
-  return simulate_lib._plan(name, config, setup, config.clients, strategy, None)
+  return experiment_lib.plan(name, config, setup, config.clients, strategy, None)
 
 
 def _carry(plan, setup):

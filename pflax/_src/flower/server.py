@@ -37,9 +37,9 @@ from pflax._src.flower import experiment as experiment_lib
 from pflax._src.flower import replies as replies_lib
 from pflax._src.flower import wire
 from pflax._src.simulation import engine
+from pflax._src.simulation import experiment as simulation_experiment
 from pflax._src.simulation import protocol
 from pflax._src.simulation import records
-from pflax._src.simulation import simulate
 
 LOG = logging.getLogger("pflax.flower")
 
@@ -60,7 +60,7 @@ class PflaxStrategy(flwr_strategy.Strategy):
   def __init__(self, experiment: experiment_lib.Experiment,
                on_round: Callable[[records.RoundRecord], None] | None = None):
     experiment.check()
-    simulate.warn_participation(experiment.config)
+    simulation_experiment.warn_participation(experiment.config)
     self.experiment = experiment
     self.on_round = on_round
     self.nodes: dict[int, int] = {}          # client -> node id
