@@ -505,7 +505,7 @@ def test_fedrema_stores_participants_momentum_and_keeps_the_others():
   new_opt = jax.tree.map(lambda x: jnp.full_like(x, 7), _rows(previous, chosen))
   result = train.ClientResult(_rows(algorithm.client_models(state), chosen), new_opt,
                               jnp.ones(3))
-  inputs = engine._Inputs(None, (chosen,), jnp.asarray(np.arange(M) != ABSENT),
+  inputs = engine.RoundInputs(None, (chosen,), jnp.asarray(np.arange(M) != ABSENT),
                           jnp.zeros(M, bool), KEY)
   groups = groups_lib.as_groups(algorithm, MODEL, M)
   _, _, (opt_state,), losses = engine._trained(groups, engine.Carry(state, (previous,)),
@@ -673,11 +673,11 @@ def _groups(name):
 
 
 def _round_outputs(name):
-  """The engine's server step of one run after local training (`_round_outputs`)."""
+  """The engine's server step of one run after local training (`round_outputs`)."""
   groups = _groups(name)
 
   def step(carry, inputs, result):
-    (state, (opt,)), metrics = engine._round_outputs(
+    (state, (opt,)), metrics = engine.round_outputs(
         groups, engine.Carry(carry[0], (carry[1],)), inputs, (result,))
     return (state, opt), metrics
   return step
@@ -689,7 +689,7 @@ def _round_inputs(name, participation, num_clients, carry, fed, t):
   plan = engine.Plan(build=lambda value: groups, num_clients=num_clients,
                      participation=participation, fault_fraction=0.0, local_epochs=1,
                      batch_size=2, strategy="vmap")
-  return engine._round_inputs(plan, groups, engine.Carry(carry[0], (carry[1],)), (fed,),
+  return engine.round_inputs(plan, groups, engine.Carry(carry[0], (carry[1],)), (fed,),
                               jnp.int32(0), jnp.int32(t))
 
 

@@ -104,7 +104,7 @@ def test_fault_draw_leaves_every_other_choice_unchanged(setup):
     config = dataclasses.replace(CONFIG, participation=0.5, faulty_clients=fraction)
     plan = _plan(setup, config)
     carry = _carry(plan, setup)
-    return engine._round_inputs(plan, plan.build(None), carry, (setup.federation,),
+    return engine.round_inputs(plan, plan.build(None), carry, (setup.federation,),
                                 jnp.int32(0), jnp.int32(3))
   clean, faulty = inputs(0.0), inputs(0.4)
   chex.assert_trees_all_equal(clean._replace(faulty=None), faulty._replace(faulty=None))
@@ -157,9 +157,9 @@ def test_non_finite_upload_equals_absence_and_an_empty_round_keeps_the_state(set
     if nan_rows:
       rows, opt_rows = jax.tree.map(poison, rows), jax.tree.map(poison, opt_rows)
     took_part = jnp.asarray(np.isin(everyone, took_part))
-    inputs = engine._Inputs(None, (None,), took_part, jnp.zeros_like(took_part), KEY)
+    inputs = engine.RoundInputs(None, (None,), took_part, jnp.zeros_like(took_part), KEY)
     result = train.ClientResult(rows, opt_rows, jnp.ones(CONFIG.clients))
-    step = jax.jit(lambda *args: engine._round_outputs(groups, *args))
+    step = jax.jit(lambda *args: engine.round_outputs(groups, *args))
     carry = engine.Carry(state, (opt_state,))
     (new, (opts,)), metrics = step(carry, inputs, (result,))
     return new, opts, np.asarray(metrics.took_part), np.asarray(metrics.healthy)

@@ -68,8 +68,8 @@ def test_clients_of_different_architecture_groups_never_share_a_training_key():
   carry = engine.initial_carry(groups, setup.federation.x[0, :1],
                                jnp.asarray(setup.federation.counts), jnp.int32(0))
   for t in range(2):
-    inputs = engine._round_inputs(plan, groups, carry, feds, jnp.int32(0),  # pylint: disable=protected-access
-                                  jnp.int32(t))
+    inputs = engine.round_inputs(plan, groups, carry, feds, jnp.int32(0),
+                                 jnp.int32(t))
     engine_keys = np.concatenate([np.asarray(jax.random.key_data(c.keys))
                                   for c in inputs.clients])
     assert len({k.tobytes() for k in engine_keys}) == config.clients

@@ -384,8 +384,9 @@ class ClientInputs(NamedTuple):
   keys: chex.Array
 
 
-class _Inputs(NamedTuple):
-  """One run's phase inputs: per group the clients' inputs and which train."""
+class RoundInputs(NamedTuple):
+  """One run's phase inputs (`round_inputs`): per group the clients' inputs and
+  which train."""
   clients: tuple[ClientInputs, ...]
   chosen: tuple[chex.Array | None, ...]
   took_part: chex.Array
@@ -453,9 +454,9 @@ def _group_masks(groups: groups_lib.Groups, mask: chex.Array) -> tuple[chex.Arra
   return tuple(mask[index] for index in groups.clients)
 
 
-def _round_inputs(plan: Plan, groups: groups_lib.Groups, carry: Carry,
-                  feds: tuple[federation_lib.Federation, ...], seed: chex.Array,
-                  t: chex.Array) -> _Inputs:
+def round_inputs(plan: Plan, groups: groups_lib.Groups, carry: Carry,
+                 feds: tuple[federation_lib.Federation, ...], seed: chex.Array,
+                 t: chex.Array) -> RoundInputs:
   """Round `t`'s participants, faulty clients and training inputs, for one run."""
   sample_key, train_key, server_key = round_keys(run_keys(seed)[2], t)
   m = sum(f.x.shape[0] for f in feds)
@@ -484,10 +485,10 @@ def _round_inputs(plan: Plan, groups: groups_lib.Groups, carry: Carry,
                      functools.partial(group_training_keys, train_key, g))
       for g, (start, opt, context, fed, picked) in enumerate(zip(
           starts, carry.opt_states, contexts, feds, group_chosen)))
-  return _Inputs(clients, group_chosen, took_part, faulty, server_key)
+  return RoundInputs(clients, group_chosen, took_part, faulty, server_key)
 
 
-def _trained(groups: groups_lib.Groups, carry: Carry, inputs: _Inputs,
+def _trained(groups: groups_lib.Groups, carry: Carry, inputs: RoundInputs,
              results: tuple[train_lib.ClientResult, ...]
              ) -> tuple[PerGroup, PerGroup, tuple[optax.OptState, ...], chex.Array]:
   """Results put back at their clients: `(starts, trained, opt_states, losses)`.
@@ -587,11 +588,11 @@ def _with_faults(groups: groups_lib.Groups, starts: PerGroup, uploads: PerGroup,
   return uploads
 
 
-def _round_outputs(groups: groups_lib.Groups, carry: Carry, inputs: _Inputs,
-                   results: tuple[train_lib.ClientResult, ...], *,
-                   outlier_factor: float | None = OUTLIER_FACTOR,
-                   fault_kind: str = "nan", fault_scale: float = 1.0
-                   ) -> tuple[Carry, RoundMetrics]:
+def round_outputs(groups: groups_lib.Groups, carry: Carry, inputs: RoundInputs,
+                  results: tuple[train_lib.ClientResult, ...], *,
+                  outlier_factor: float | None = OUTLIER_FACTOR,
+                  fault_kind: str = "nan", fault_scale: float = 1.0
+                  ) -> tuple[Carry, RoundMetrics]:
   """The server step of one run after local training: new carry and metrics.
 
   A client dropped by the `server_step` is given back its previous optimizer
@@ -614,7 +615,7 @@ def _round_outputs(groups: groups_lib.Groups, carry: Carry, inputs: _Inputs,
 
 def _warmup_inputs(groups: groups_lib.Groups, carry: Carry,
                    feds: tuple[federation_lib.Federation, ...], seed: chex.Array
-                   ) -> _Inputs:
+                   ) -> RoundInputs:
   """The warm-up: every client trains, with its warm-up key."""
   keys = functools.partial(warmup_training_keys, seed)
   clients = tuple(
@@ -623,10 +624,11 @@ def _warmup_inputs(groups: groups_lib.Groups, carry: Carry,
           groups.algorithm.client_models(carry.state), carry.opt_states,
           groups.algorithm.client_context(carry.state), feds))
   everyone = jnp.ones(groups.num_clients, bool)
-  return _Inputs(clients, (None,) * len(feds), everyone, ~everyone, run_keys(seed)[1])
+  return RoundInputs(clients, (None,) * len(feds), everyone, ~everyone,
+                     run_keys(seed)[1])
 
 
-def _warmup_outputs(groups: groups_lib.Groups, carry: Carry, inputs: _Inputs,
+def _warmup_outputs(groups: groups_lib.Groups, carry: Carry, inputs: RoundInputs,
                     results: tuple[train_lib.ClientResult, ...], *,
                     outlier_factor: float | None = OUTLIER_FACTOR) -> Carry:
   """The algorithm's `warmup_step`; optimizer states kept."""
@@ -730,7 +732,7 @@ def _client_trainer(plan: Plan, epochs: int, g: int
   return train_one
 
 
-def _phase(plan: Plan, epochs: int, num_groups: int, pre: Callable[..., _Inputs],
+def _phase(plan: Plan, epochs: int, num_groups: int, pre: Callable[..., RoundInputs],
            post: Callable[..., Carry | tuple[Carry, RoundMetrics]]
            ) -> Callable[..., Carry | tuple[Carry, RoundMetrics]]:
   """A local-training phase of all runs: `pre`, the clients' training, `post`.
@@ -864,8 +866,8 @@ def build_programs(plan: Plan) -> Programs:
     return carry if warm is None else warm(values, carry, feds, seeds)
 
   round_ = _phase(plan, plan.local_epochs, num_groups,
-                  functools.partial(_round_inputs, plan),
-                  functools.partial(_round_outputs, outlier_factor=plan.outlier_factor,
+                  functools.partial(round_inputs, plan),
+                  functools.partial(round_outputs, outlier_factor=plan.outlier_factor,
                                     fault_kind=plan.fault_kind, fault_scale=plan.scale))
   return Programs(initial=starting, init=init, round=round_,
                   evaluate=jax.jit(jax.vmap(_evaluator(plan, groups))))

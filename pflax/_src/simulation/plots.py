@@ -64,7 +64,7 @@ def _pyplot_figure(figsize: tuple[float, float]) -> "Figure":
   return plt.figure(figsize=figsize, layout="constrained")
 
 
-def _file_figure(figsize: tuple[float, float]) -> "Figure":
+def file_figure(figsize: tuple[float, float]) -> "Figure":
   """A figure outside pyplot, to save: it touches no backend and needs no closing."""
   from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel
   return Figure(figsize=figsize, layout="constrained")
@@ -225,11 +225,11 @@ def save_plots(results: records.Results, out_dir: str) -> list[str]:
   missing); returns their paths."""
   os.makedirs(out_dir, exist_ok=True)
   figures = {"accuracy.png": (lambda: _accuracy(
-      results, "personalized", None, _file_figure), 120)}
+      results, "personalized", None, file_figure), 120)}
   first = results.runs[0].seed if results.runs else None
   if results.class_counts is not None or any(
       np.size(r.output_norms) for r in results.runs if r.seed == first):
-    figures["output_norms.png"] = (lambda: _output_norms(results, None, _file_figure),
+    figures["output_norms.png"] = (lambda: _output_norms(results, None, file_figure),
                                    110)
   paths = []
   for name, (figure, dpi) in figures.items():

@@ -415,15 +415,14 @@ def _run(task: Task, values: Mapping[str, chex.Array], federation: Any,
   trainers = tuple(_trainer(task, member) for member in groups.members)
   feds = groups.split(federation)
   plan = task.plan
-  # pylint: disable=protected-access
   if start is None:
     start = _start(task, groups, federation, seed)
 
   @jax.checkpoint
   def one_round(carry, t):
-    inputs = engine._round_inputs(plan, groups, carry, feds, seed, t)
+    inputs = engine.round_inputs(plan, groups, carry, feds, seed, t)
     results = tuple(train(*clients) for train, clients in zip(trainers, inputs.clients))
-    carry, metrics = engine._round_outputs(
+    carry, metrics = engine.round_outputs(
         groups, carry, inputs, results, outlier_factor=plan.outlier_factor,
         fault_kind=plan.fault_kind, fault_scale=plan.scale)
     return carry, metrics.losses
@@ -628,7 +627,7 @@ def plot_tuning(record: TuneRecord) -> Any:
   "logit" keys), the validation loss and the test accuracy against the step."""
   from pflax._src.simulation import plots  # pylint: disable=import-outside-toplevel
   panels = len(record.keys) + 2
-  fig = plots._file_figure((3.2 * panels, 3.0))  # pylint: disable=protected-access
+  fig = plots.file_figure((3.2 * panels, 3.0))
   axes = fig.subplots(1, panels)
   steps = [p.step for p in record.path]
   for ax, key in zip(axes, record.keys):
