@@ -11,10 +11,10 @@ from typing import Any
 
 from pflax._src.cli import messages
 from pflax._src.cli import parser
+from pflax._src.cli import presets
 from pflax._src.cli import privacy
 from pflax._src.methods import registry
 from pflax._src.simulation import experiment
-from pflax._src.simulation import presets
 
 _FLOWER_ENGINES = ("deployment", "simulation")
 RUN_LEVEL = ("algorithms", "seeds", "devices", "sweep", "preset", "flower")
