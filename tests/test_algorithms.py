@@ -27,6 +27,7 @@ from pflax._src.core import prng
 from pflax._src.data import federation as federation_lib
 from pflax._src.simulation import engine
 from pflax._src.simulation import groups as groups_lib
+from pflax._src.simulation import keys as keys_lib
 
 import references as ref
 
@@ -482,7 +483,7 @@ def test_optimizer_state_is_fresh_each_round_except_fedrema(name, chosen):
   participants = None if chosen is None else jnp.asarray(chosen)
   inputs = engine._client_inputs(algorithm.client_models(state), previous,
                                  algorithm.client_context(state), FED, participants,
-                                 functools.partial(engine.client_keys, KEY))
+                                 functools.partial(keys_lib.client_keys, KEY))
   starting = jax.vmap(functools.partial(engine.start_opt_state, algorithm))(
       inputs.start, inputs.opt_state)
   got = jax.tree.leaves(starting)

@@ -26,6 +26,7 @@ from pflax._src.cli import main as cli
 from pflax._src.core import prng
 from pflax._src.simulation import engine
 from pflax._src.simulation import experiment as experiment_lib
+from pflax._src.simulation import faults as faults_lib
 
 NAMES = tuple(algorithms.METHODS)
 # End-to-end runs of every algorithm: the stateful ones (a global model, per-client
@@ -65,8 +66,8 @@ def test_fault_draw_is_round_f_p_of_the_participants_by_client_id():
   for seed in range(20):
     key = prng.key(seed)
     took_part = np.asarray(jax.random.bernoulli(jax.random.fold_in(key, 1), 0.6, (m,)))
-    count = engine.num_faulty(0.25, int(took_part.sum()))
-    faulty = np.asarray(engine.faulty_clients(key, jnp.asarray(took_part), count))
+    count = faults_lib.num_faulty(0.25, int(took_part.sum()))
+    faulty = np.asarray(faults_lib.faulty_clients(key, jnp.asarray(took_part), count))
     assert faulty.sum() == round(0.25 * took_part.sum()) and not faulty[~took_part].any()
     # Client i's score is uniform(fold_in(key, i)): the draw is by client id,
     # so who else takes part only decides the ranking among participants.
@@ -74,14 +75,14 @@ def test_fault_draw_is_round_f_p_of_the_participants_by_client_id():
                          for i in range(m)])
     ranked = sorted(np.flatnonzero(took_part), key=lambda i: scores[i])[:count]
     assert sorted(np.flatnonzero(faulty)) == sorted(ranked)
-  draws = {tuple(np.flatnonzero(engine.faulty_clients(
+  draws = {tuple(np.flatnonzero(faults_lib.faulty_clients(
       prng.key(s), jnp.ones(m, bool), 3))) for s in range(20)}
   assert len(draws) > 10                     # a fresh draw per key
 
 
 def test_num_faulty_rounds_like_python():
   # Half-way cases round to even, as the participants' count does.
-  assert [engine.num_faulty(f, p) for f, p in
+  assert [faults_lib.num_faulty(f, p) for f, p in
           [(0.2, 10), (0.5, 5), (0.5, 3), (0.3, 5), (0.1, 4), (0.0, 7)]] == [2, 2, 2, 2,
                                                                             0, 0]
 

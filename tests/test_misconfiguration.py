@@ -14,6 +14,7 @@ from pflax import simulate
 from pflax._src.cli import main as cli
 from pflax._src.data import datasets
 from pflax._src.simulation import experiment as experiment_lib
+from pflax._src.simulation import faults as faults_lib
 from pflax._src.simulation import simulate as simulate_lib
 from pflax._src.simulation import tune as tune_lib
 
@@ -213,7 +214,7 @@ def test_cli_too_many_classes_per_client_is_one_line(tmp_path):
 # made, is valid or a ValueError naming the field, the range and the value; the
 # participation warning is about a run: once where it starts, never at construction.
 
-_FAULT_KINDS = simulate_lib.engine.FAULT_KINDS
+_FAULT_KINDS = faults_lib.FAULT_KINDS
 BAD_FIELDS = [
     (dict(clients=0), "clients must be >= 1, got 0."),
     (dict(clients="6"), "clients must be an integer, got '6'."),

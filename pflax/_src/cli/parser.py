@@ -9,8 +9,8 @@ from typing import Any
 
 from pflax._src.cli import runtime
 from pflax._src.methods import registry
-from pflax._src.simulation import engine
 from pflax._src.simulation import experiment
+from pflax._src.simulation import faults as faults_lib
 
 FIELD_HELP = {
     "dataset": "'digits' (offline) or a prepared TFDS name: mnist, fashion_mnist, "
@@ -56,7 +56,7 @@ FIELD_HELP = {
 }
 FIELD_CHOICES = {"partition": experiment.PARTITIONS,
                  "test_split": experiment.TEST_SPLITS,
-                 "fault_kind": engine.FAULT_KINDS,
+                 "fault_kind": faults_lib.FAULT_KINDS,
                  "model": experiment.MODELS,
                  "family": ("cnn", "mlp"),
                  "strategy": experiment.STRATEGIES,

@@ -41,7 +41,9 @@ from pflax._src.methods import heterogeneous as heterogeneous_lib
 from pflax._src.methods import privacy as privacy_lib
 from pflax._src.methods import registry
 from pflax._src.simulation import engine
+from pflax._src.simulation import faults as faults_lib
 from pflax._src.simulation import groups as groups_lib
+from pflax._src.simulation import keys as keys_lib
 from pflax._src.training import adapters
 from pflax._src.training import models
 from pflax._src.training import parts as parts_lib
@@ -97,12 +99,12 @@ class ExperimentConfig:
       from p M, `participation_warning`).
     faulty_clients: fraction of each round's participants that are faulty
       (for "inflated_counts": of all clients, the same ones all run).
-    fault_kind: what faulty clients do (`pflax._src.simulation.engine.FAULT_KINDS`):
+    fault_kind: what faulty clients do (`pflax._src.simulation.faults.FAULT_KINDS`):
       "nan" uploads NaN; "scaled" uploads `start + s (trained - start)`;
       "inflated_counts" declares its class counts times s at registration
       (its uploads are honest); the attacks "sign_flip", "gaussian", "alie"
-      and "ipm" (`engine.attack_updates`, docs/robustness.md).
-    fault_scale: s (None: `engine.DEFAULT_FAULT_SCALES`).
+      and "ipm" (`faults.attack_updates`, docs/robustness.md).
+    fault_scale: s (None: `faults.DEFAULT_FAULT_SCALES`).
     outlier_factor: the server drops a participant whose update norm exceeds
       this many times the round's median (docs/methods.md#simulation); None
       or 0 disables the test.
@@ -161,7 +163,7 @@ class ExperimentConfig:
   faulty_clients: float = 0.0
   fault_kind: str = "nan"
   fault_scale: float | None = None
-  outlier_factor: float | None = engine.OUTLIER_FACTOR
+  outlier_factor: float | None = faults_lib.OUTLIER_FACTOR
   rounds: int = 40
   eval_every: int = 1
   model: str = "auto"
@@ -218,8 +220,8 @@ class ExperimentConfig:
     require(not (self.dp_clip and self.heterogeneous), "heterogeneous",
             "False under client-level DP (dp_clip)")
     require(0.0 <= self.faulty_clients < 1.0, "faulty_clients", "a fraction in [0, 1)")
-    require(self.fault_kind in engine.FAULT_KINDS, "fault_kind",
-            f"one of {engine.FAULT_KINDS}")
+    require(self.fault_kind in faults_lib.FAULT_KINDS, "fault_kind",
+            f"one of {faults_lib.FAULT_KINDS}")
     require(self.fault_scale is None
             or 0 < abs(self.fault_scale) <= MAX_FAULT_SCALE, "fault_scale",
             f"None or a non-zero number of magnitude at most {MAX_FAULT_SCALE:g}")
@@ -731,7 +733,7 @@ def participation_warning(config: ExperimentConfig) -> str | None:
   'participation 0.01 of 20 clients is 0.2 clients; 1 client takes part each round'
   """
   asked = config.participation * config.clients
-  taking = engine.num_participants(config.participation, config.clients)
+  taking = keys_lib.num_participants(config.participation, config.clients)
   if abs(taking - asked) <= 0.1 * asked:
     return None
   clients = "1 client takes" if taking == 1 else f"{taking} clients take"
@@ -925,7 +927,7 @@ def check_byzantine_bound(algorithm: str | Builder, config: ExperimentConfig) ->
   are too few for the `robust` rule and `num_byzantine` of `algorithm`'s
   hyperparameters (Krum and Multi-Krum: n > 2f + 2; Bulyan: n >= 4f + 3)."""
   keywords = builder_arguments(algorithm, config)[2]
-  participants = engine.num_participants(config.participation, config.clients)
+  participants = keys_lib.num_participants(config.participation, config.clients)
   f = keywords.get("num_byzantine", 0)
   need = {"krum": 2 * f + 3, "multi_krum": 2 * f + 3,
           "bulyan": 4 * f + 3}.get(keywords.get("robust"))

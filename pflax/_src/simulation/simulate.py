@@ -20,6 +20,7 @@ from pflax._src.data import federation as federation_lib
 from pflax._src.simulation import checkpoint as checkpoint_lib
 from pflax._src.simulation import engine
 from pflax._src.simulation import experiment
+from pflax._src.simulation import faults as faults_lib
 from pflax._src.simulation import records
 from pflax._src.simulation import sharding
 from pflax._src.training import parts as parts_lib
@@ -112,7 +113,7 @@ def _check_not_all_dropped(t: int, metrics: engine.RoundMetrics, grid: "_Grid",
   for r, (value, seed) in enumerate(grid.runs):
     if took_part[r].any() and not healthy[r].any():
       swept = "" if value is None else f" {grid.plan.build.swept}={value:g}"
-      raise ValueError(engine.all_dropped(f"round {t + 1} of {name} seed "
+      raise ValueError(faults_lib.all_dropped(f"round {t + 1} of {name} seed "
                                           f"{seed}{swept}"))
 
 
