@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 from pflax import simulate
-from pflax._src.simulation import presets
+from pflax._src.cli import presets
 
 SETTINGS = ("pathological", "dirichlet")
 SEEDS = (0, 1, 2)

@@ -36,7 +36,7 @@ import jax
 import numpy as np
 
 from pflax import simulate
-from pflax._src.simulation import presets
+from pflax._src.cli import presets
 import pflax
 
 from reproduce import HERE, mean_std, plot, run_sweeps
@@ -170,7 +170,7 @@ def markdown(saved: dict[str, dict[str, Any] | None], size: str) -> str:
       "The real Fashion-MNIST (70,000 28x28 images, `pflax.data.load("
       "\"fashion_mnist\")`), each preset of `pflax-run --list-presets` whose name "
       "contains `fmnist`, with its algorithms, hyperparameters and sources "
-      "(`pflax/_src/simulation/presets.py`). "
+      "(`pflax/_src/cli/presets.py`). "
       + ("The presets as they are (`--size paper`)." if size == "paper" else
          "`--size cpu`: each preset reduced to run on 2 CPU cores, the same "
          "reductions for every algorithm of a preset (its `Changed:` line): pflax's "

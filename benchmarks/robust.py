@@ -18,7 +18,7 @@ import numpy as np
 
 from pflax import aggregate
 from pflax import simulate
-from pflax._src.simulation import engine
+from pflax._src.simulation import faults as faults_lib
 
 ROWS = {
     "no faults": ({}, {}),
@@ -40,7 +40,7 @@ def liar_share(config: simulate.ExperimentConfig, setup: simulate.Setup, seed: i
   """The lying client's FedAvg weight, from the counts the server sees."""
   counts = np.asarray(setup.federation.counts, np.float64).sum(axis=1)
   m = counts.shape[0]
-  liars = np.asarray(engine.lying_clients(seed, config.clients, m,
+  liars = np.asarray(faults_lib.lying_clients(seed, config.clients, m,
                                           config.faulty_clients))
   seen = np.where(liars, counts * factor, counts)
   weights = (seen / seen.sum() if max_share is None

@@ -1,22 +1,23 @@
 """Federated simulation: configure an experiment, run it, sweep it, read, tabulate and
 plot its records."""
 
+from pflax._src.simulation.experiment import ExperimentConfig
+from pflax._src.simulation.experiment import Setup
+from pflax._src.simulation.experiment import client_optimizer
+from pflax._src.simulation.experiment import prepare
+from pflax._src.simulation.experiment import resolve_builder
+from pflax._src.simulation.experiment import sweepable
 from pflax._src.simulation.plots import algorithm_color
 from pflax._src.simulation.plots import plot_accuracy
 from pflax._src.simulation.plots import plot_output_norms
+from pflax._src.simulation.plots import save_plots
 from pflax._src.simulation.records import Accuracy
 from pflax._src.simulation.records import Results
 from pflax._src.simulation.records import RoundRecord
 from pflax._src.simulation.records import RunRecord
 from pflax._src.simulation.records import Summary
-from pflax._src.simulation.simulate import ExperimentConfig
-from pflax._src.simulation.simulate import Setup
-from pflax._src.simulation.simulate import client_optimizer
-from pflax._src.simulation.simulate import prepare
-from pflax._src.simulation.simulate import resolve_builder
 from pflax._src.simulation.simulate import run
 from pflax._src.simulation.simulate import sweep
-from pflax._src.simulation.simulate import sweepable
 
 __all__ = (
     "Accuracy",
@@ -33,6 +34,7 @@ __all__ = (
     "prepare",
     "resolve_builder",
     "run",
+    "save_plots",
     "sweep",
     "sweepable",
 )

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from pflax import simulate
-from pflax._src.simulation import engine
-from pflax._src.simulation import simulate as simulate_lib
+from pflax._src.simulation import experiment as experiment_lib
+from pflax._src.simulation import faults as faults_lib
 
 CONFIG = simulate.ExperimentConfig(clients=6, rounds=1, model="mlp", local_epochs=1,
                                    outlier_factor=None)
@@ -21,7 +21,7 @@ def fedavg_reporting(bogus: float, every_client: bool):
   """FedAvg whose clients holding class 9 (or all) add `bogus` to their reported
   loss: a constant, so the trained models are FedAvg's own and finite."""
   def builder(model, optimizer):
-    algorithm = simulate_lib.resolve_builder("fedavg")(model, optimizer)
+    algorithm = experiment_lib.resolve_builder("fedavg")(model, optimizer)
 
     def loss(params, context, batch, key):
       lying = every_client or jnp.any((batch.y == LIAR_CLASS) & batch.mask)
@@ -48,9 +48,9 @@ def test_a_client_reporting_an_absurd_loss_is_dropped_not_averaged(setup, bogus)
 
 
 def test_the_loss_bound_is_the_flower_servers_too():
-  assert engine.MAX_LOSS == 1e6
-  assert not engine.plausible_losses(jnp.array([1e6 * 1.01]))[0]
-  assert engine.plausible_losses(jnp.array([1e6]))[0]
+  assert faults_lib.MAX_LOSS == 1e6
+  assert not faults_lib.plausible_losses(jnp.array([1e6 * 1.01]))[0]
+  assert faults_lib.plausible_losses(jnp.array([1e6]))[0]
 
 
 def test_a_round_with_every_client_dropped_stops_the_run(setup):

@@ -12,6 +12,7 @@ from pflax import models
 from pflax import simulate
 from pflax._src.core import prng
 from pflax._src.simulation import engine
+from pflax._src.simulation import keys as keys_lib
 from pflax._src.simulation import records
 from pflax._src.training import losses
 from pflax._src.training import train
@@ -75,9 +76,9 @@ def test_heterogeneous_participants_are_drawn_over_all_clients(participation, ex
   # (p = 0.1 of four groups of 5 drew 4 clients). Each group trains a static
   # number of its clients, its participants first; the others are dropped.
   clients = tuple(np.arange(g, 20, 4) for g in range(4))
-  count = engine.num_participants(participation, 20)
+  count = keys_lib.num_participants(participation, 20)
   for seed in range(4):
-    chosen = engine.participants(prng.key(seed), 20, participation)
+    chosen = keys_lib.participants(prng.key(seed), 20, participation)
     assert len(chosen) == expected
     took_part = jnp.zeros(20, bool).at[chosen].set(True)
     trained = set()

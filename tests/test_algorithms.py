@@ -31,6 +31,7 @@ from pflax._src.core import prng
 from pflax._src.data import federation as federation_lib
 from pflax._src.simulation import engine
 from pflax._src.simulation import groups as groups_lib
+from pflax._src.simulation import keys as keys_lib
 
 import references as ref
 
@@ -630,7 +631,7 @@ def test_optimizer_state_is_fresh_each_round_except_fedrema(name, chosen):
   participants = None if chosen is None else jnp.asarray(chosen)
   inputs = engine._client_inputs(algorithm.client_models(state), previous,
                                  algorithm.client_context(state), FED, participants,
-                                 functools.partial(engine.client_keys, KEY))
+                                 functools.partial(keys_lib.client_keys, KEY))
   starting = jax.vmap(functools.partial(engine.start_opt_state, algorithm))(
       inputs.start, inputs.opt_state)
   got = jax.tree.leaves(starting)
@@ -653,7 +654,7 @@ def test_fedrema_stores_participants_momentum_and_keeps_the_others():
   new_opt = jax.tree.map(lambda x: jnp.full_like(x, 7), _rows(previous, chosen))
   result = train.ClientResult(_rows(algorithm.client_models(state), chosen), new_opt,
                               jnp.ones(3))
-  inputs = engine._Inputs(None, (chosen,), jnp.asarray(np.arange(M) != ABSENT),
+  inputs = engine.RoundInputs(None, (chosen,), jnp.asarray(np.arange(M) != ABSENT),
                           jnp.zeros(M, bool), KEY)
   groups = groups_lib.as_groups(algorithm, MODEL, M)
   _, _, (opt_state,), losses = engine._trained(groups, engine.Carry(state, (previous,)),
@@ -821,11 +822,11 @@ def _groups(name):
 
 
 def _round_outputs(name):
-  """The engine's server step of one run after local training (`_round_outputs`)."""
+  """The engine's server step of one run after local training (`round_outputs`)."""
   groups = _groups(name)
 
   def step(carry, inputs, result):
-    (state, (opt,)), metrics = engine._round_outputs(
+    (state, (opt,)), metrics = engine.round_outputs(
         groups, engine.Carry(carry[0], (carry[1],)), inputs, (result,))
     return (state, opt), metrics
   return step
@@ -837,7 +838,7 @@ def _round_inputs(name, participation, num_clients, carry, fed, t):
   plan = engine.Plan(build=lambda value: groups, num_clients=num_clients,
                      participation=participation, fault_fraction=0.0, local_epochs=1,
                      batch_size=2, strategy="vmap")
-  return engine._round_inputs(plan, groups, engine.Carry(carry[0], (carry[1],)), (fed,),
+  return engine.round_inputs(plan, groups, engine.Carry(carry[0], (carry[1],)), (fed,),
                               jnp.int32(0), jnp.int32(t))
 
 

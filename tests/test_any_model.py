@@ -20,7 +20,7 @@ from pflax import models
 from pflax import simulate
 from pflax import tree
 from pflax import tune
-from pflax._src.simulation import simulate as simulate_lib
+from pflax._src.simulation import experiment as experiment_lib
 
 import user_models  # pylint: disable=wrong-import-position
 
@@ -301,7 +301,7 @@ def test_heterogeneous_fedclassavg_trains_a_family_of_nnx_models_sharing_the_hea
 def test_a_family_of_nnx_models_shares_only_its_head(digits):
   setup = simulate.prepare(HETEROGENEOUS, 0, dataset=digits, model=[Shallow, Deep])
   assert [adapted.name for adapted, _ in setup.family] == ["Shallow", "Deep"]
-  algorithm = simulate_lib.build_algorithm("fedclassavg", HETEROGENEOUS, (8, 8, 1),
+  algorithm = experiment_lib.build_algorithm("fedclassavg", HETEROGENEOUS, (8, 8, 1),
                                            10, model=[Shallow, Deep])[0]
   assert algorithm.architectures.shared == tree.under("head")
   assert [m.name for m in algorithm.architectures.models] == ["Shallow", "Deep"]

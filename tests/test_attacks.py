@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pflax import simulate
-from pflax._src.simulation import engine
+from pflax._src.simulation import faults as faults_lib
 
 ATTACKS = ("sign_flip", "gaussian", "alie", "ipm")
 
@@ -24,9 +24,9 @@ def _uploads(seed=0, m=8):
 
 def _attack(kind, faulty, took_part, scale=None):
   start, trained = _uploads()
-  scale = engine.DEFAULT_FAULT_SCALES[kind] if scale is None else scale
-  z = engine.alie_z(jnp.sum(took_part), jnp.sum(faulty))
-  out = engine.attack_updates(kind, start, trained, faulty, took_part & ~faulty,
+  scale = faults_lib.DEFAULT_FAULT_SCALES[kind] if scale is None else scale
+  z = faults_lib.alie_z(jnp.sum(took_part), jnp.sum(faulty))
+  out = faults_lib.attack_updates(kind, start, trained, faulty, took_part & ~faulty,
                               jax.random.PRNGKey(3), scale, z)
   return start, trained, out
 
@@ -50,7 +50,7 @@ def test_the_attacks_follow_their_papers():
   benign = TOOK_PART & ~FAULTY
   # ALIE (Baruch et al. 2019): n = 7, f = 2, s = floor(7/2 + 1) - 2 = 2,
   # z_max = Phi^-1(5/7) = 0.5659.
-  z = float(engine.alie_z(jnp.asarray(7), jnp.asarray(2)))
+  z = float(faults_lib.alie_z(jnp.asarray(7), jnp.asarray(2)))
   np.testing.assert_allclose(z, 0.56595, atol=1e-4)
   start, trained, out = _attack("alie", FAULTY, TOOK_PART)
   for s, t, o in zip(jax.tree.leaves(start), jax.tree.leaves(trained), jax.tree.leaves(out)):

@@ -273,13 +273,13 @@ def test_augment_reachable_through_config_and_cli_set():
                                   ["fedclassavg.augment=simclr", "local.augment=simclr"])
   assert config.hyperparameters == {"fedclassavg": {"augment": "simclr"},
                                     "local": {"augment": "simclr"}}
-  from pflax._src.simulation import simulate as simulate_lib
+  from pflax._src.simulation import experiment as experiment_lib
   for name in ("local", "fedclassavg"):
-    simulate_lib.check_algorithm(name, config)
+    experiment_lib.check_algorithm(name, config)
   bad = cli_config.apply_sets(simulate.ExperimentConfig(), ["fedclassavg"],
                                ["fedclassavg.augment=crop"])
   with pytest.raises(ValueError, match="augment must be one of"):
-    simulate_lib.check_algorithm("fedclassavg", bad)
+    experiment_lib.check_algorithm("fedclassavg", bad)
 
 
 def test_local_trainer_runs_on_simclr_views():

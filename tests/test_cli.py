@@ -14,7 +14,7 @@ from pflax._src.cli import config as cli_config
 from pflax._src.cli import main as cli
 from pflax._src.cli import parser as cli_parser
 from pflax._src.data import datasets
-from pflax._src.simulation import simulate as simulate_lib
+from pflax._src.simulation import experiment as experiment_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--clients", "6", "--rounds", "2", "--model", "mlp", "--local-epochs", "1",
@@ -144,7 +144,7 @@ def test_ctrl_c_is_one_line(monkeypatch, tmp_path, capsys):
   def interrupted(*args, **kwargs):
     raise KeyboardInterrupt
   monkeypatch.setattr(simulate, "prepare", interrupted)
-  monkeypatch.setattr(simulate_lib, "prepare", interrupted)
+  monkeypatch.setattr(experiment_lib, "prepare", interrupted)
   assert cli.main(SMALL + ["--algorithms", "fedavg", "--out", str(tmp_path)]) == 130
   assert capsys.readouterr().err.strip() == "pflax-run: interrupted"
 

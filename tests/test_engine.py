@@ -18,7 +18,7 @@ from pflax import algorithms
 from pflax import models
 from pflax import simulate
 from pflax._src.core import prng
-from pflax._src.simulation import engine
+from pflax._src.simulation import faults as faults_lib
 from pflax._src.simulation import groups
 import pflax
 
@@ -256,9 +256,9 @@ def test_heterogeneous_fedavg_runs_as_fedper():
 def test_faulty_clients_draw_is_a_function_of_client_ids():
   took_part = jnp.array([True, False, True, True, False, True])
   key = prng.key(5)
-  faulty = engine.faulty_clients(key, took_part, 2)
+  faulty = faults_lib.faulty_clients(key, took_part, 2)
   assert int(faulty.sum()) == 2 and not (faulty & ~took_part).any()
-  more = engine.faulty_clients(key, jnp.concatenate([took_part, jnp.zeros(2, bool)]), 2)
+  more = faults_lib.faulty_clients(key, jnp.concatenate([took_part, jnp.zeros(2, bool)]), 2)
   np.testing.assert_array_equal(more[:6], faulty)  # padding changes nothing
 
 

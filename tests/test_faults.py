@@ -25,7 +25,8 @@ from pflax import train
 from pflax._src.cli import main as cli
 from pflax._src.core import prng
 from pflax._src.simulation import engine
-from pflax._src.simulation import simulate as simulate_lib
+from pflax._src.simulation import experiment as experiment_lib
+from pflax._src.simulation import faults as faults_lib
 
 NAMES = tuple(algorithms.METHODS)
 # End-to-end runs of every algorithm: the stateful ones (a global model, per-client
@@ -65,8 +66,8 @@ def test_fault_draw_is_round_f_p_of_the_participants_by_client_id():
   for seed in range(20):
     key = prng.key(seed)
     took_part = np.asarray(jax.random.bernoulli(jax.random.fold_in(key, 1), 0.6, (m,)))
-    count = engine.num_faulty(0.25, int(took_part.sum()))
-    faulty = np.asarray(engine.faulty_clients(key, jnp.asarray(took_part), count))
+    count = faults_lib.num_faulty(0.25, int(took_part.sum()))
+    faulty = np.asarray(faults_lib.faulty_clients(key, jnp.asarray(took_part), count))
     assert faulty.sum() == round(0.25 * took_part.sum()) and not faulty[~took_part].any()
     # Client i's score is uniform(fold_in(key, i)): the draw is by client id,
     # so who else takes part only decides the ranking among participants.
@@ -74,20 +75,20 @@ def test_fault_draw_is_round_f_p_of_the_participants_by_client_id():
                          for i in range(m)])
     ranked = sorted(np.flatnonzero(took_part), key=lambda i: scores[i])[:count]
     assert sorted(np.flatnonzero(faulty)) == sorted(ranked)
-  draws = {tuple(np.flatnonzero(engine.faulty_clients(
+  draws = {tuple(np.flatnonzero(faults_lib.faulty_clients(
       prng.key(s), jnp.ones(m, bool), 3))) for s in range(20)}
   assert len(draws) > 10                     # a fresh draw per key
 
 
 def test_num_faulty_rounds_like_python():
   # Half-way cases round to even, as the participants' count does.
-  assert [engine.num_faulty(f, p) for f, p in
+  assert [faults_lib.num_faulty(f, p) for f, p in
           [(0.2, 10), (0.5, 5), (0.5, 3), (0.3, 5), (0.1, 4), (0.0, 7)]] == [2, 2, 2, 2,
                                                                             0, 0]
 
 
 def _plan(setup, config, name="fedavg", strategy="vmap"):
-  return simulate_lib._plan(name, config, setup, config.clients, strategy, None)
+  return experiment_lib.plan(name, config, setup, config.clients, strategy, None)
 
 
 def _carry(plan, setup):
@@ -104,7 +105,7 @@ def test_fault_draw_leaves_every_other_choice_unchanged(setup):
     config = dataclasses.replace(CONFIG, participation=0.5, faulty_clients=fraction)
     plan = _plan(setup, config)
     carry = _carry(plan, setup)
-    return engine._round_inputs(plan, plan.build(None), carry, (setup.federation,),
+    return engine.round_inputs(plan, plan.build(None), carry, (setup.federation,),
                                 jnp.int32(0), jnp.int32(3))
   clean, faulty = inputs(0.0), inputs(0.4)
   chex.assert_trees_all_equal(clean._replace(faulty=None), faulty._replace(faulty=None))
@@ -157,9 +158,9 @@ def test_non_finite_upload_equals_absence_and_an_empty_round_keeps_the_state(set
     if nan_rows:
       rows, opt_rows = jax.tree.map(poison, rows), jax.tree.map(poison, opt_rows)
     took_part = jnp.asarray(np.isin(everyone, took_part))
-    inputs = engine._Inputs(None, (None,), took_part, jnp.zeros_like(took_part), KEY)
+    inputs = engine.RoundInputs(None, (None,), took_part, jnp.zeros_like(took_part), KEY)
     result = train.ClientResult(rows, opt_rows, jnp.ones(CONFIG.clients))
-    step = jax.jit(lambda *args: engine._round_outputs(groups, *args))
+    step = jax.jit(lambda *args: engine.round_outputs(groups, *args))
     carry = engine.Carry(state, (opt_state,))
     (new, (opts,)), metrics = step(carry, inputs, (result,))
     return new, opts, np.asarray(metrics.took_part), np.asarray(metrics.healthy)

@@ -19,7 +19,8 @@ from flwr.supercore import task_identity  # pylint: disable=wrong-import-positio
 from pflax import flower  # pylint: disable=wrong-import-position
 from pflax import simulate  # pylint: disable=wrong-import-position
 from pflax._src.cli import main as cli  # pylint: disable=wrong-import-position
-from pflax._src.simulation import engine  # pylint: disable=wrong-import-position
+from pflax._src.simulation import faults as faults_lib
+from pflax._src.simulation import keys as keys_lib
 from pflax._src.simulation import simulate as simulate_lib  # pylint: disable=wrong-import-position
 
 CONFIG = simulate.ExperimentConfig(clients=4, rounds=3, local_epochs=1)
@@ -121,14 +122,14 @@ def test_heterogeneous_fedclassavg_in_a_federation_equals_the_simulation():
 
 def _engine_faulty(seed, config, server_round):
   """The clients the engine makes faulty in a round (`faulty_clients`)."""
-  sample_key = engine.round_keys(engine.run_keys(seed)[2], server_round - 1)[0]
-  chosen = engine.participants(jax.random.fold_in(sample_key, 0), config.clients,
+  sample_key = keys_lib.round_keys(keys_lib.run_keys(seed)[2], server_round - 1)[0]
+  chosen = keys_lib.participants(jax.random.fold_in(sample_key, 0), config.clients,
                                config.participation)
   took_part = np.zeros(config.clients, bool)
   took_part[np.asarray(chosen)] = True
-  count = engine.num_faulty(config.faulty_clients, len(chosen))
-  return set(np.flatnonzero(engine.faulty_clients(
-      jax.random.fold_in(sample_key, engine.FAULT_STREAM), took_part, count)).tolist())
+  count = faults_lib.num_faulty(config.faulty_clients, len(chosen))
+  return set(np.flatnonzero(faults_lib.faulty_clients(
+      jax.random.fold_in(sample_key, faults_lib.FAULT_STREAM), took_part, count)).tolist())
 
 
 def _simulated_correct(name, config, seed):

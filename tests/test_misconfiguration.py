@@ -13,6 +13,8 @@ from pflax import data
 from pflax import simulate
 from pflax._src.cli import main as cli
 from pflax._src.data import datasets
+from pflax._src.simulation import experiment as experiment_lib
+from pflax._src.simulation import faults as faults_lib
 from pflax._src.simulation import simulate as simulate_lib
 from pflax._src.simulation import tune as tune_lib
 
@@ -46,16 +48,16 @@ def test_a_misspelt_algorithm_key_is_refused_before_any_work(table):
 
 def test_keys_of_built_in_algorithms_not_run_and_of_the_run_builder_are_accepted():
   def my_builder(model, optimizer, *, strength=1.0):
-    return simulate_lib.resolve_builder("fedavg")(model, optimizer)
+    return experiment_lib.resolve_builder("fedavg")(model, optimizer)
   config = dataclasses.replace(CONFIG, hyperparameters={
       "fedprox": {"mu": 0.1}, "my_builder": {"strength": 2.0}})
-  simulate_lib.check_algorithm(my_builder, config)
-  simulate_lib.check_algorithm_keys(config, ["fedavg", my_builder])
+  experiment_lib.check_algorithm(my_builder, config)
+  experiment_lib.check_algorithm_keys(config, ["fedavg", my_builder])
   with pytest.raises(ValueError, match="unknown algorithm 'my_builder'"):
-    simulate_lib.check_algorithm_keys(config, ["fedavg"])
+    experiment_lib.check_algorithm_keys(config, ["fedavg"])
   with pytest.raises(ValueError, match=r"hyperparameters\['my_builder'\]: unknown "
                      r"keyword 'strenght' \(did you mean 'strength'\?\)"):
-    simulate_lib.check_algorithm(my_builder, dataclasses.replace(
+    experiment_lib.check_algorithm(my_builder, dataclasses.replace(
         config, hyperparameters={"my_builder": {"strenght": 2.0}}))
 
 
@@ -63,7 +65,7 @@ def test_a_module_builder_key_must_import():
   config = dataclasses.replace(CONFIG, hyperparameters={"no_such_module:build": {}})
   with pytest.raises(ValueError, match="^hyperparameters: unknown algorithm "
                      "'no_such_module:build': cannot import"):
-    simulate_lib.check_algorithm("fedavg", config)
+    experiment_lib.check_algorithm("fedavg", config)
 
 
 def test_cli_config_file_with_a_misspelt_algorithm_is_one_line(tmp_path):
@@ -120,13 +122,13 @@ def test_participation_that_rounds_away_warns():
   config = dataclasses.replace(CONFIG, clients=20, participation=0.01)
   with pytest.warns(UserWarning, match="^participation 0.01 of 20 clients is 0.2 "
                     "clients; 1 client takes part each round$"):
-    simulate_lib.warn_participation(config)
-  assert simulate_lib.participation_warning(
+    experiment_lib.warn_participation(config)
+  assert experiment_lib.participation_warning(
       dataclasses.replace(config, participation=0.3, clients=5)) == (
           "participation 0.3 of 5 clients is 1.5 clients; 2 clients take part each "
           "round")
   for participation, clients in ((0.1, 20), (1.0, 7), (0.33, 20), (0.05, 20)):
-    assert simulate_lib.participation_warning(dataclasses.replace(
+    assert experiment_lib.participation_warning(dataclasses.replace(
         config, participation=participation, clients=clients)) is None
 
 
@@ -194,7 +196,7 @@ def test_a_client_without_training_samples_is_an_error():
   empty = fed._replace(num_samples=np.array([fed.num_samples[0], 0]))
   with pytest.raises(ValueError, match=r"^clients: 2 clients on \d+ samples leave 1 "
                      r"of them without a training sample; use at most \d+ clients\."):
-    simulate_lib.check_partition(dataclasses.replace(CONFIG, clients=2), empty)
+    experiment_lib.check_partition(dataclasses.replace(CONFIG, clients=2), empty)
 
 
 def test_too_many_classes_per_client_is_an_error():
@@ -212,7 +214,7 @@ def test_cli_too_many_classes_per_client_is_one_line(tmp_path):
 # made, is valid or a ValueError naming the field, the range and the value; the
 # participation warning is about a run: once where it starts, never at construction.
 
-_FAULT_KINDS = simulate_lib.engine.FAULT_KINDS
+_FAULT_KINDS = faults_lib.FAULT_KINDS
 BAD_FIELDS = [
     (dict(clients=0), "clients must be >= 1, got 0."),
     (dict(clients="6"), "clients must be an integer, got '6'."),
@@ -297,7 +299,7 @@ def test_the_participation_warning_is_not_given_at_construction():
     config = dataclasses.replace(CONFIG, participation=0.1)
     dataclasses.replace(config, rounds=2)
     simulate.ExperimentConfig(clients=6, participation=0.1)
-  assert simulate_lib.participation_warning(config) == ROUNDING
+  assert experiment_lib.participation_warning(config) == ROUNDING
   assert not _participation_warnings(caught)
 
 
@@ -358,8 +360,8 @@ def test_cli_unknown_family_is_refused(capsys):
 def test_heterogeneous_clients_get_the_family_named(family):
   config = dataclasses.replace(CONFIG, clients=8, heterogeneous=True, family=family)
   setup = simulate.prepare(config, 0)
-  plan = simulate_lib._plan("fedavg", config, setup, config.clients, "auto", None)
-  assert plan.build(None).models == simulate_lib.models.FAMILIES[family](
+  plan = experiment_lib.plan("fedavg", config, setup, config.clients, "auto", None)
+  assert plan.build(None).models == experiment_lib.models.FAMILIES[family](
       setup.num_classes)
 
 

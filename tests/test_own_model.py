@@ -18,7 +18,7 @@ from pflax import simulate
 from pflax import train
 from pflax import tree
 from pflax._src.simulation import engine
-from pflax._src.simulation import simulate as simulate_lib
+from pflax._src.simulation import experiment as experiment_lib
 
 ALGORITHMS = tuple(algorithms.METHODS)
 
@@ -215,7 +215,7 @@ def test_heterogeneous_members_read_their_own_parts(digits):
   architecture to the others' parameters."""
   config = dataclasses.replace(CONFIG, heterogeneous=True)
   setup = simulate.prepare(config, 0, dataset=digits)
-  plan = simulate_lib._plan("fedclassavg", config, setup, config.clients,  # pylint: disable=protected-access
+  plan = experiment_lib.plan("fedclassavg", config, setup, config.clients,
                             "vmap", None)
   groups = plan.build(None)
   assert len(set(groups.models)) > 1

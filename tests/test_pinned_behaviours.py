@@ -13,7 +13,7 @@ from pflax import models
 from pflax import simulate
 from pflax._src.simulation import engine
 from pflax._src.simulation import protocol
-from pflax._src.simulation import simulate as simulate_lib
+from pflax._src.simulation import experiment as experiment_lib
 
 M = 4
 
@@ -60,7 +60,7 @@ def test_clients_of_different_architecture_groups_never_share_a_training_key():
   config = simulate.ExperimentConfig(clients=8, rounds=1, model="mlp", local_epochs=1,
                                      heterogeneous=True, family="mlp")
   setup = simulate.prepare(config, seed=0)
-  plan = simulate_lib._plan("fedavg", config, setup, config.clients, "vmap", None)  # pylint: disable=protected-access
+  plan = experiment_lib.plan("fedavg", config, setup, config.clients, "vmap", None)
   groups = plan.build(None)
   assert len(groups.clients) > 1
   feds = tuple(jax.tree.map(lambda a, index=index: np.asarray(a)[np.asarray(index)],
@@ -68,8 +68,8 @@ def test_clients_of_different_architecture_groups_never_share_a_training_key():
   carry = engine.initial_carry(groups, setup.federation.x[0, :1],
                                jnp.asarray(setup.federation.counts), jnp.int32(0))
   for t in range(2):
-    inputs = engine._round_inputs(plan, groups, carry, feds, jnp.int32(0),  # pylint: disable=protected-access
-                                  jnp.int32(t))
+    inputs = engine.round_inputs(plan, groups, carry, feds, jnp.int32(0),
+                                 jnp.int32(t))
     engine_keys = np.concatenate([np.asarray(jax.random.key_data(c.keys))
                                   for c in inputs.clients])
     assert len({k.tobytes() for k in engine_keys}) == config.clients

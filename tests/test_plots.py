@@ -144,8 +144,8 @@ def test_norms_with_nothing_to_show_is_an_error():
 
 
 def test_results_of_runs_plot_to_pngs(tmp_path):
-  paths = simulate.Results.of([_run("fedavg"), _run("fedavg", seed=1)]).plot(
-      str(tmp_path / "plots"))
+  paths = simulate.save_plots(
+      simulate.Results.of([_run("fedavg"), _run("fedavg", seed=1)]), str(tmp_path / "plots"))
   assert paths == [str(tmp_path / "plots" / name)
                    for name in ("accuracy.png", "output_norms.png")]
   assert all(os.path.getsize(p) > 0 for p in paths)
@@ -153,7 +153,8 @@ def test_results_of_runs_plot_to_pngs(tmp_path):
 
 
 def test_results_without_norms_write_only_the_accuracy_plot(tmp_path):
-  paths = simulate.Results.of([_run("fedavg", norms=np.zeros((0,)))]).plot(str(tmp_path))
+  paths = simulate.save_plots(
+      simulate.Results.of([_run("fedavg", norms=np.zeros((0,)))]), str(tmp_path))
   assert paths == [str(tmp_path / "accuracy.png")]
 
 

@@ -7,7 +7,7 @@ import pytest
 from pflax import simulate
 from pflax._src.cli import main as cli
 from pflax._src.cli import parser as cli_parser
-from pflax._src.simulation import presets
+from pflax._src.cli import presets
 
 
 @pytest.mark.parametrize("name", presets.names())

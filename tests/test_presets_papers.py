@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from pflax._src.simulation import presets
+from pflax._src.cli import presets
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAPERS = next((p for p in (os.environ.get("PFLAX_PAPERS", ""),

@@ -14,7 +14,7 @@ from pflax import algorithms
 from pflax import models
 from pflax import privacy
 from pflax import simulate
-from pflax._src.simulation import simulate as simulate_lib
+from pflax._src.simulation import experiment as experiment_lib
 from pflax._src.cli import privacy as cli_privacy
 
 dp_accounting = pytest.importorskip("dp_accounting")
@@ -155,7 +155,7 @@ def test_personal_parts_are_never_noised_or_read(name):
 def test_refused_methods_name_what_is_not_covered(name):
   config = simulate.ExperimentConfig(dp_clip=1.0, dp_noise_multiplier=1.0)
   with pytest.raises(ValueError, match=f"does not cover {name}: "):
-    simulate_lib.check_algorithm(name, config)
+    experiment_lib.check_algorithm(name, config)
 
 
 @SLOW

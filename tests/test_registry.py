@@ -11,7 +11,7 @@ from pflax import simulate
 from pflax._src import methods as methods_pkg
 from pflax._src.cli import parser as cli_parser
 from pflax._src.methods import registry
-from pflax._src.simulation import simulate as simulate_lib
+from pflax._src.simulation import experiment as experiment_lib
 
 # Modules of pflax._src.methods that are not a method.
 HELPERS = ("algorithm", "common", "heterogeneous", "phases", "privacy", "registry")
@@ -33,10 +33,10 @@ def test_tables_are_derived_from_the_registry():
   assert registry.METHODS is algorithms.METHODS
   assert registry.DEFAULT_ALGORITHMS == ("local", "fedavg", "fedprox", "cwfedavg",
                                          "fedclassavg", "fedsa", "feddwa", "fedrema")
-  assert simulate_lib.HEAD_SHARING == ("local", "fedavg", "cwfedavg", "fedclassavg",
+  assert experiment_lib.HEAD_SHARING == ("local", "fedavg", "cwfedavg", "fedclassavg",
                                        "fedsa")
   assert all(name in cli_parser.FIELD_HELP["heterogeneous"]
-             for name in simulate_lib.HEAD_SHARING)
+             for name in experiment_lib.HEAD_SHARING)
 
 
 def test_config_optimizers_default_to_the_methods_own_as_fresh_dicts():

@@ -22,6 +22,7 @@ from pflax import algorithms
 from pflax import models
 from pflax import simulate
 from pflax._src.simulation import engine
+from pflax._src.simulation import faults as faults_lib
 from pflax._src.simulation import groups
 from pflax._src.simulation import protocol
 
@@ -121,18 +122,18 @@ def test_outlier_rule():
   norms = np.log2(np.array([1.0, 2.0, 3.0, 5e3, 4.0, 1.0, 1e9], np.float32))
   norms[5] = -np.inf                           # an update of 0
   took = np.array([True, True, True, True, True, True, False])
-  out = np.asarray(engine.update_outliers(jnp.asarray(norms), jnp.asarray(took), 1000.0))
+  out = np.asarray(faults_lib.update_outliers(jnp.asarray(norms), jnp.asarray(took), 1000.0))
   # median of the non-zero participants' norms {1, 2, 3, 4, 5e3} is 3: 5e3 > 3e3.
   np.testing.assert_array_equal(out, [False, False, False, True, False, False, False])
-  assert not np.asarray(engine.update_outliers(jnp.asarray(norms), jnp.asarray(took),
+  assert not np.asarray(faults_lib.update_outliers(jnp.asarray(norms), jnp.asarray(took),
                                                None)).any()
   two = np.array([True, False, False, True, False, False, False])
-  assert not np.asarray(engine.update_outliers(jnp.asarray(norms), jnp.asarray(two),
+  assert not np.asarray(faults_lib.update_outliers(jnp.asarray(norms), jnp.asarray(two),
                                                1000.0)).any()   # nobody to outvote
 
 
 def test_federation_drops_an_absurd_upload_like_the_engine():
-  """`protocol.server_step` applies `engine.healthy_clients`: a 1e30 update is
+  """`protocol.server_step` applies `faults.healthy_clients`: a 1e30 update is
   dropped from the round, the others are averaged."""
   model = models.MLP(3)
   m = 4
@@ -199,7 +200,7 @@ def test_scaled_updates_are_dropped_and_only_they(setup):
 def test_inflated_counts_are_the_same_liars_all_run(setup):
   config = dataclasses.replace(CONFIG, fault_kind="inflated_counts")
   run = simulate.run("fedavg", config, 0, setup=setup)
-  liars = np.flatnonzero(engine.lying_clients(jnp.int32(0), 6, 6, 0.2))
+  liars = np.flatnonzero(faults_lib.lying_clients(jnp.int32(0), 6, 6, 0.2))
   assert [r.faulty_clients for r in run.history] == [tuple(liars)] * 2
   assert all(not r.dropped_clients for r in run.history)
 
@@ -225,7 +226,7 @@ def test_declared_counts_inflate_the_liars_rows_only():
                      fault_kind="inflated_counts")
   counts = jnp.arange(1, 8 * 3 + 1, dtype=jnp.int32).reshape(8, 3)   # 2 padded rows
   out = np.asarray(engine.declared_counts(plan, counts, jnp.int32(0)))
-  liars = np.asarray(engine.lying_clients(jnp.int32(0), 6, 8, 0.2))
+  liars = np.asarray(faults_lib.lying_clients(jnp.int32(0), 6, 8, 0.2))
   assert liars.sum() == 1 and not liars[6:].any()
   np.testing.assert_array_equal(out[liars], np.asarray(counts)[liars] * 10)
   np.testing.assert_array_equal(out[~liars], np.asarray(counts)[~liars])

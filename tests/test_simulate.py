@@ -15,7 +15,7 @@ from pflax import simulate
 from pflax._src.cli import main as cli
 from pflax._src.core import prng
 from pflax._src.methods.algorithm import EVALUATED
-from pflax._src.simulation import engine
+from pflax._src.simulation import keys as keys_lib
 from pflax._src.simulation.records import FINAL_WINDOW
 
 CONFIG = simulate.ExperimentConfig(clients=6, rounds=3, model="mlp", eval_every=1,
@@ -146,7 +146,7 @@ def test_non_finite_client_is_dropped_and_others_continue(setup):
 
 
 def test_partial_participation_samples_a_fixed_number():
-  chosen = [engine.participants(prng.key(s), 10, 0.3) for s in range(5)]
+  chosen = [keys_lib.participants(prng.key(s), 10, 0.3) for s in range(5)]
   assert all(c.shape == (3,) for c in chosen)
   assert all(np.all(np.diff(np.asarray(c)) > 0) for c in chosen)
   assert len({tuple(np.asarray(c)) for c in chosen}) > 1
@@ -155,8 +155,8 @@ def test_partial_participation_samples_a_fixed_number():
 def test_partial_participation_leaves_absent_clients_unchanged(setup):
   # Every round trains 2 of the 6 local models: the others are never touched.
   config = dataclasses.replace(CONFIG, participation=1 / 3, rounds=1)
-  sample_key = engine.round_keys(engine.run_keys(0)[2], 0)[0]
-  chosen = np.asarray(engine.participants(jax.random.fold_in(sample_key, 0), 6, 1 / 3))
+  sample_key = keys_lib.round_keys(keys_lib.run_keys(0)[2], 0)[0]
+  chosen = np.asarray(keys_lib.participants(jax.random.fold_in(sample_key, 0), 6, 1 / 3))
   record = simulate.run("local", config, 0, setup=setup)
   untouched = simulate.run("local", dataclasses.replace(config, lr=1e-30), 0,
                            setup=setup)

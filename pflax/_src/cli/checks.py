@@ -11,8 +11,8 @@ import jax
 
 from pflax._src.cli import config as config_lib
 from pflax._src.cli import messages
+from pflax._src.simulation import experiment
 from pflax._src.simulation import records
-from pflax._src.simulation import simulate
 
 LOCK_FILE = ".pflax-run.lock"
 """The file in `--out` whose lock a run holds (`out_lock`)."""
@@ -102,14 +102,14 @@ def check_flower_flags(invocation: config_lib.Invocation) -> None:
                         f"seconds, got {invocation.flower_timeout}")
   if importlib.util.find_spec("flwr") is None:
     raise messages.fail("--flower needs Flower: pip install 'pflax[flower]'")
-  from pflax._src.flower import experiment  # pylint: disable=import-outside-toplevel
+  from pflax._src.flower import experiment as flower_experiment  # pylint: disable=import-outside-toplevel
   if invocation.flower == "simulation" and importlib.util.find_spec("ray") is None:
     raise messages.fail("--flower simulation needs Flower's simulation engine: pip "
                         "install 'flwr[simulation]'")
   config = invocation.config
   for name in invocation.algorithms:
     try:
-      experiment.Experiment(name, config, invocation.seeds[0]).check()
+      flower_experiment.Experiment(name, config, invocation.seeds[0]).check()
     except ValueError as e:
       raise messages.fail(f"--flower: {messages.flag_message(e)}") from None
   if invocation.flower == "deployment":
@@ -137,11 +137,11 @@ def check_tune_flags(invocation: config_lib.Invocation) -> None:
   if len(invocation.seeds) > 1:
     seeds = " ".join(map(str, invocation.seeds))
     raise messages.fail(f"--tune tunes with one seed, got --seeds {seeds}")
-  if not 0 <= invocation.tune_steps <= simulate.MAX_COUNT:
-    raise messages.fail(f"--tune-steps must be in [0, {simulate.MAX_COUNT}], got "
+  if not 0 <= invocation.tune_steps <= experiment.MAX_COUNT:
+    raise messages.fail(f"--tune-steps must be in [0, {experiment.MAX_COUNT}], got "
                         f"{invocation.tune_steps}")
-  if not 0 < invocation.tune_lr <= simulate.MAX_LR:
-    raise messages.fail(f"--tune-lr must be in (0, {simulate.MAX_LR:g}], got "
+  if not 0 < invocation.tune_lr <= experiment.MAX_LR:
+    raise messages.fail(f"--tune-lr must be in (0, {experiment.MAX_LR:g}], got "
                         f"{invocation.tune_lr}")
   if not 0 < invocation.tune_validation < 1:
     raise messages.fail(f"--tune-validation must be in (0, 1), got "

@@ -11,10 +11,10 @@ from typing import Any
 
 from pflax._src.cli import messages
 from pflax._src.cli import parser
+from pflax._src.cli import presets
 from pflax._src.cli import privacy
 from pflax._src.methods import registry
-from pflax._src.simulation import presets
-from pflax._src.simulation import simulate
+from pflax._src.simulation import experiment
 
 _FLOWER_ENGINES = ("deployment", "simulation")
 RUN_LEVEL = ("algorithms", "seeds", "devices", "sweep", "preset", "flower")
@@ -32,7 +32,7 @@ class Invocation:
   `compilation_cache` and `progress` are `--no-compilation-cache` and
   `--no-progress` negated.
   """
-  config: simulate.ExperimentConfig
+  config: experiment.ExperimentConfig
   algorithms: tuple[str, ...]
   seeds: tuple[int, ...]
   preset: str | None
@@ -90,17 +90,17 @@ def settable(name: str) -> dict[str, Any]:
   """`{key: default}` of what `--set` may set for one algorithm: its builder's
   keywords with plain defaults or `float | None = None` (`max_share`), and its
   optimizer's fields."""
-  params = inspect.signature(simulate.resolve_builder(name)).parameters.values()
+  params = inspect.signature(experiment.resolve_builder(name)).parameters.values()
   keys = {p.name: p.default for p in params if p.kind == p.KEYWORD_ONLY
           and (isinstance(p.default, (bool, int, float, str))
                or (p.default is None and "float" in str(p.annotation)))}
-  defaults = simulate.ExperimentConfig()
-  keys.update({f: getattr(defaults, f) for f in simulate.OPTIMIZER_FIELDS})
+  defaults = experiment.ExperimentConfig()
+  keys.update({f: getattr(defaults, f) for f in experiment.OPTIMIZER_FIELDS})
   return keys
 
 
-def apply_sets(config: simulate.ExperimentConfig, algorithms: Sequence[str],
-               sets: Sequence[str]) -> simulate.ExperimentConfig:
+def apply_sets(config: experiment.ExperimentConfig, algorithms: Sequence[str],
+               sets: Sequence[str]) -> experiment.ExperimentConfig:
   """`config` with the `--set KEY=VALUE` assignments (see the flag's help)."""
   hyperparameters = {k: dict(v) for k, v in config.hyperparameters.items()}
   optimizers = {k: dict(v) for k, v in config.optimizers.items()}
@@ -119,7 +119,7 @@ def apply_sets(config: simulate.ExperimentConfig, algorithms: Sequence[str],
       raise messages.fail(f"--set {key}: unknown key; valid keys: {', '.join(valid)}")
     for target in hits:
       default = settable(target)[field]
-      table = optimizers if field in simulate.OPTIMIZER_FIELDS else hyperparameters
+      table = optimizers if field in experiment.OPTIMIZER_FIELDS else hyperparameters
       table.setdefault(target, {})[field] = _typed(key, text, default)
   return dataclasses.replace(config, hyperparameters=hyperparameters,
                              optimizers=optimizers)
@@ -208,7 +208,7 @@ def _saved_runs(saved: Mapping[str, Any], given: Collection[str]) -> dict[str, A
   return runs
 
 
-def _checked_runs(runs: Mapping[str, Any], config: simulate.ExperimentConfig) -> None:
+def _checked_runs(runs: Mapping[str, Any], config: experiment.ExperimentConfig) -> None:
   """One-line errors for run-level choices out of range (a `--config` file's
   included): algorithms, seeds, devices, and each `--values` entry of `--sweep`
   as its algorithm checks it."""
@@ -226,14 +226,14 @@ def _checked_runs(runs: Mapping[str, Any], config: simulate.ExperimentConfig) ->
     raise messages.fail(f"--values must be numbers, got {values!r}")
   for name in algorithms:
     try:
-      simulate.check_sweep(name, config, list(runs["seeds"]) if isinstance(
+      experiment.check_sweep(name, config, list(runs["seeds"]) if isinstance(
           runs["seeds"], (list, tuple)) else [runs["seeds"]], runs["sweep"], values)
     except ValueError as e:
       raise messages.fail(messages.flag_message(e)) from None
 
 
 def _checked_config(values: Mapping[str, Any], algorithms: Sequence[str],
-                    sets: Sequence[str]) -> simulate.ExperimentConfig:
+                    sets: Sequence[str]) -> experiment.ExperimentConfig:
   """The `ExperimentConfig` of `values` with `--set`, checked for `algorithms`;
   a setting it refuses is a one-line error naming its flag."""
   for table in ("hyperparameters", "optimizers"):
@@ -243,15 +243,15 @@ def _checked_config(values: Mapping[str, Any], algorithms: Sequence[str],
       raise messages.fail(f"{table} must map algorithm names to keywords, got "
                           f"{entries!r}")
   try:
-    config = apply_sets(simulate.ExperimentConfig(**values), algorithms, sets)
-    simulate.warn_participation(config)
-    simulate.check_algorithm_keys(config, algorithms)
+    config = apply_sets(experiment.ExperimentConfig(**values), algorithms, sets)
+    experiment.warn_participation(config)
+    experiment.check_algorithm_keys(config, algorithms)
     for name in algorithms:
-      simulate.check_algorithm(name, config)
+      experiment.check_algorithm(name, config)
       if (config.heterogeneous and name in registry.METHODS
-          and name not in simulate.HEAD_SHARING):
+          and name not in experiment.HEAD_SHARING):
         raise ValueError(f"--heterogeneous needs algorithms that share a head "
-                         f"({', '.join(simulate.HEAD_SHARING)}), got {name!r}")
+                         f"({', '.join(experiment.HEAD_SHARING)}), got {name!r}")
   except (ValueError, TypeError) as e:
     raise messages.fail(messages.flag_message(e)) from None
   return config
@@ -297,7 +297,7 @@ def config_dict(invocation: Invocation) -> dict[str, Any]:
   out["optimizers"] = {}
   for name in invocation.algorithms:
     keys = settable(name)
-    optimizer = {f: keys.pop(f) for f in simulate.OPTIMIZER_FIELDS}
+    optimizer = {f: keys.pop(f) for f in experiment.OPTIMIZER_FIELDS}
     out["hyperparameters"][name] = {**keys, **config.hyperparameters.get(name, {})}
     out["optimizers"][name] = {**{f: getattr(config, f) for f in optimizer},
                                **config.optimizers.get(name, {})}

@@ -19,10 +19,10 @@ from pflax._src.cli import config
 from pflax._src.cli import federation
 from pflax._src.cli import messages
 from pflax._src.cli import parser
+from pflax._src.cli import presets
 from pflax._src.cli import report
 from pflax._src.cli import runs
 from pflax._src.cli import runtime
-from pflax._src.simulation import presets
 from pflax._src.simulation import records
 
 

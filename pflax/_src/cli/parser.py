@@ -9,8 +9,8 @@ from typing import Any
 
 from pflax._src.cli import runtime
 from pflax._src.methods import registry
-from pflax._src.simulation import engine
-from pflax._src.simulation import simulate
+from pflax._src.simulation import experiment
+from pflax._src.simulation import faults as faults_lib
 
 FIELD_HELP = {
     "dataset": "'digits' (offline) or a prepared TFDS name: mnist, fashion_mnist, "
@@ -44,7 +44,7 @@ FIELD_HELP = {
     "model": "auto: the CNN for images of 16+ pixels, the MLP for digits",
     "heterogeneous": "clients use four architectures sharing the output layer "
                      "(algorithms that share a head: "
-                     f"{', '.join(simulate.HEAD_SHARING)})",
+                     f"{', '.join(experiment.HEAD_SHARING)})",
     "family": "the architectures of --heterogeneous clients: cnn (three CNNs and an "
               "MLP) or mlp (four MLPs, CPU-sized)",
     "strategy": "how clients are mapped in local training",
@@ -54,14 +54,15 @@ FIELD_HELP = {
     "grad_clip": "clip each local model's gradient to this global norm (FedDWA's w "
                  "and v each on its own)",
 }
-FIELD_CHOICES = {"partition": simulate.PARTITIONS, "test_split": simulate.TEST_SPLITS,
-                 "fault_kind": engine.FAULT_KINDS,
-                 "model": simulate.MODELS,
+FIELD_CHOICES = {"partition": experiment.PARTITIONS,
+                 "test_split": experiment.TEST_SPLITS,
+                 "fault_kind": faults_lib.FAULT_KINDS,
+                 "model": experiment.MODELS,
                  "family": ("cnn", "mlp"),
-                 "strategy": simulate.STRATEGIES,
+                 "strategy": experiment.STRATEGIES,
                  "precision": ("float32", "bf16"),
                  "optimizer": ("sgd", "adam")}
-CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(simulate.ExperimentConfig)
+CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(experiment.ExperimentConfig)
                       if f.name not in ("optimizers", "hyperparameters"))
 """`ExperimentConfig` fields with a flag of their own (`--name-with-dashes`)."""
 
@@ -73,7 +74,7 @@ def flag(field: str) -> str:
 
 def _field_type(field: str) -> Any:
   """The flag's type: the field's annotation, without its `| None`."""
-  annotation = {f.name: f.type for f in dataclasses.fields(simulate.ExperimentConfig)
+  annotation = {f.name: f.type for f in dataclasses.fields(experiment.ExperimentConfig)
                 }[field]
   options = [t for t in typing.get_args(annotation) if t is not type(None)]
   return options[0] if options else annotation
@@ -82,7 +83,7 @@ def _field_type(field: str) -> Any:
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
   """`--algorithms` and a flag per field of `CONFIG_FIELDS`, defaulting to
   `ExperimentConfig()`'s values, and `--set`."""
-  defaults = simulate.ExperimentConfig()
+  defaults = experiment.ExperimentConfig()
   names = tuple(registry.METHODS)
   p.add_argument("--algorithms", nargs="+", default=list(registry.DEFAULT_ALGORITHMS),
                  metavar="NAME",

@@ -7,10 +7,10 @@ from typing import Any
 
 from pflax._src.aggregators import accounting
 from pflax._src.cli import messages
-from pflax._src.simulation import simulate
+from pflax._src.simulation import experiment
 
 
-def planned(config: simulate.ExperimentConfig) -> simulate.ExperimentConfig:
+def planned(config: experiment.ExperimentConfig) -> experiment.ExperimentConfig:
   """`config` ready to run under client-level DP (unchanged without `dp_clip`).
 
   With `dp_epsilon` and no `dp_noise_multiplier`, z is calibrated so that the
@@ -52,7 +52,7 @@ def planned(config: simulate.ExperimentConfig) -> simulate.ExperimentConfig:
   return config
 
 
-def spent(config: simulate.ExperimentConfig) -> list[float] | None:
+def spent(config: experiment.ExperimentConfig) -> list[float] | None:
   """eps(delta) after each round of `config`'s run, None without DP."""
   if not config.dp_clip:
     return None

@@ -6,6 +6,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from pflax._src.simulation import plots
 from pflax._src.simulation import records
 
 
@@ -45,6 +46,6 @@ def write_results(results: records.Results, out: str) -> None:
   """Writes `out/results.json` and the plots, and prints the table."""
   path = os.path.join(out, "results.json")
   results.save(path)
-  written = results.plot(out)
+  written = plots.save_plots(results, out)
   print(results.table())
   print(f"wrote {path} and {', '.join(written)}")

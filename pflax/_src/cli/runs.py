@@ -16,6 +16,7 @@ from pflax._src.cli import privacy
 from pflax._src.cli import report
 from pflax._src.cli import runtime
 from pflax._src.data import datasets
+from pflax._src.simulation import experiment
 from pflax._src.simulation import records
 from pflax._src.simulation import simulate
 
@@ -27,7 +28,7 @@ def resume_notice(invocation: config_lib.Invocation) -> None:
     print(f"pflax-run: no checkpoint in {out}: starting from round 1", file=sys.stderr)
 
 
-def prepare(invocation: config_lib.Invocation) -> dict[int, simulate.Setup]:
+def prepare(invocation: config_lib.Invocation) -> dict[int, experiment.Setup]:
   """Each seed's federation (downloaded first with `--download`). A dataset that
   cannot be loaded or partitioned is an error without a traceback, its message
   (one line or several) as the library wrote it, a leading field named as its
@@ -36,7 +37,7 @@ def prepare(invocation: config_lib.Invocation) -> dict[int, simulate.Setup]:
   try:
     if invocation.download:
       datasets.load(config.dataset, data_dir=config.data_dir, download=True)
-    return {seed: simulate.prepare(config, seed) for seed in invocation.seeds}
+    return {seed: experiment.prepare(config, seed) for seed in invocation.seeds}
   except (FileNotFoundError, ImportError, ValueError) as e:
     raise messages.fail(messages.flag_message(e)) from None
 
@@ -49,7 +50,7 @@ def _swept(invocation: config_lib.Invocation) -> bool:
 
 
 def _sweep(name: str, invocation: config_lib.Invocation, seeds: Sequence[int],
-           setups: dict[int, simulate.Setup], mesh: jax.sharding.Mesh | None
+           setups: dict[int, experiment.Setup], mesh: jax.sharding.Mesh | None
            ) -> list[records.RunRecord]:
   """The seeds (and `--sweep` values) of one algorithm as one sweep, with a
   progress bar and checkpoints as asked."""
@@ -83,7 +84,7 @@ def _sweep(name: str, invocation: config_lib.Invocation, seeds: Sequence[int],
 
 
 def simulate_all(invocation: config_lib.Invocation,
-                 setups: dict[int, simulate.Setup],
+                 setups: dict[int, experiment.Setup],
                  done: list[records.RunRecord] | None = None
                  ) -> list[records.RunRecord]:
   """Every algorithm's runs, on the `--devices` mesh if any: its seeds as one
@@ -113,7 +114,7 @@ def _with_epsilon(runs: list[records.RunRecord], spent: list[float] | None
           for run in runs]
 
 
-def tune(invocation: config_lib.Invocation, setup: simulate.Setup) -> list[Any]:
+def tune(invocation: config_lib.Invocation, setup: experiment.Setup) -> list[Any]:
   """`--tune`: each algorithm's keys tuned by gradient (`pflax.tune.tune`) from
   their configured values, its path written as `tune_<algorithm>.json` and
   `.png` in `--out`; the records."""

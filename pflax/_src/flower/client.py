@@ -21,9 +21,9 @@ from pflax._src.data import federation as federation_lib
 from pflax._src.flower import experiment as experiment_lib
 from pflax._src.flower import wire
 from pflax._src.simulation import engine
+from pflax._src.simulation import experiment as simulation_experiment
 from pflax._src.simulation import groups as groups_lib
 from pflax._src.simulation import protocol
-from pflax._src.simulation import simulate
 
 ClientDataFn = Callable[["flwr_app.Context", experiment_lib.Experiment],
                         federation_lib.ClientData]
@@ -45,7 +45,7 @@ def client_id(context: "flwr_app.Context") -> int:
 @functools.lru_cache(maxsize=4)
 def _simulated_federation(experiment_json: str) -> federation_lib.Federation:
   experiment = experiment_lib.Experiment.from_json(experiment_json)
-  return simulate.prepare(experiment.config, experiment.seed).federation
+  return simulation_experiment.prepare(experiment.config, experiment.seed).federation
 
 
 def simulated_partition(context: "flwr_app.Context",

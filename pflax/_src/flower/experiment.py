@@ -7,8 +7,8 @@ import os
 import sys
 from typing import Any
 
+from pflax._src.simulation import experiment as simulation_experiment
 from pflax._src.simulation import groups as groups_lib
-from pflax._src.simulation import simulate
 from pflax._src.training import adapters
 from pflax._src.training import parts as parts_lib
 
@@ -81,7 +81,7 @@ class Experiment:
   does both).
   """
   algorithm: str
-  config: simulate.ExperimentConfig
+  config: simulation_experiment.ExperimentConfig
   seed: int = 0
   model: Any = None
   parts: Any = None
@@ -102,15 +102,16 @@ class Experiment:
       ValueError: when they are given and the server's were not, or the reverse.
     """
     d = json.loads(text)
-    return cls(d["algorithm"], simulate.ExperimentConfig(**d["config"]), int(d["seed"]),
+    return cls(d["algorithm"], simulation_experiment.ExperimentConfig(**d["config"]),
+               int(d["seed"]),
                _received("model", d.get("model"), model),
                _received("parts", d.get("parts"), parts))
 
   def check(self) -> None:
     """Raises ValueError for what a federation does not run."""
     _append_builder_path()
-    simulate.check_algorithm(self.algorithm, self.config)
-    simulate.check_heterogeneous(self.algorithm, self.config)
+    simulation_experiment.check_algorithm(self.algorithm, self.config)
+    simulation_experiment.check_heterogeneous(self.algorithm, self.config)
     if self.config.faulty_clients:
       raise ValueError("faulty_clients is a simulation of faults: 0 in a federation, "
                        f"got {self.config.faulty_clients}.")
@@ -134,7 +135,7 @@ class Experiment:
     _append_builder_path()
     model, parts = (_imported(v, f) if isinstance(v, str) else v
                     for v, f in ((self.model, "model"), (self.parts, "parts")))
-    algorithm, model, parts = simulate.build_algorithm(
+    algorithm, model, parts = simulation_experiment.build_algorithm(
         self.algorithm, self.config, input_shape, num_classes, model=model,
         parts=parts)
     return groups_lib.as_groups(algorithm, model, self.config.clients), parts

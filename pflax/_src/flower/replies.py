@@ -1,7 +1,7 @@
 """What a node sends, checked: nothing a node sends is trusted.
 
 Every number is checked: counts are integers in `[0, MAX_COUNT]`, a loss is
-finite and at most `engine.MAX_LOSS` in magnitude, an evaluation has `correct <=
+finite and at most `faults.MAX_LOSS` in magnitude, an evaluation has `correct <=
 tests <=` the test samples its client registered, a reply comes from the node of a client the server waits for. A
 `train` or `evaluate` reply that fails any check, or fails to decode in any
 way (`pflax._src.flower.wire`), drops its client from that round and nobody
@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from pflax._src.flower import wire
-from pflax._src.simulation import engine
+from pflax._src.simulation import faults as faults_lib
 
 MAX_COUNT = 2**31 - 1
 """The largest count a node may declare, and the largest sum of the federation's
@@ -45,12 +45,12 @@ def finite_number(value: Any, name: str) -> float:
 
 def training_loss(value: Any, name: str) -> float:
   """A reported training loss: a finite number of magnitude at most
-  `engine.MAX_LOSS`, the engine's health rule (`engine.plausible_losses`);
+  `faults.MAX_LOSS`, the engine's health rule (`faults.plausible_losses`);
   ValueError naming `name` for anything else."""
   loss = finite_number(value, name)
-  if abs(loss) > engine.MAX_LOSS:
-    raise ValueError(f"{name} must be at most {engine.MAX_LOSS:g} in magnitude, got "
-                     f"{value!r}.")
+  if abs(loss) > faults_lib.MAX_LOSS:
+    raise ValueError(f"{name} must be at most {faults_lib.MAX_LOSS:g} in magnitude, "
+                     f"got {value!r}.")
   return loss
 
 

@@ -17,7 +17,7 @@ restarted node has lost its registration), or whose node went offline, is asked
 to register again before it gets another message, once its node is online (a
 new node id may take over a client whose node is gone); the registration must
 equal its first one. A round in which every participant is dropped stops the
-run (`engine.all_dropped`), as in `pflax.simulate`.
+run (`faults.all_dropped`), as in `pflax.simulate`.
 """
 
 import dataclasses
@@ -37,9 +37,10 @@ from pflax._src.flower import experiment as experiment_lib
 from pflax._src.flower import replies as replies_lib
 from pflax._src.flower import wire
 from pflax._src.simulation import engine
+from pflax._src.simulation import experiment as simulation_experiment
+from pflax._src.simulation import faults as faults_lib
 from pflax._src.simulation import protocol
 from pflax._src.simulation import records
-from pflax._src.simulation import simulate
 
 LOG = logging.getLogger("pflax.flower")
 
@@ -60,7 +61,7 @@ class PflaxStrategy(flwr_strategy.Strategy):
   def __init__(self, experiment: experiment_lib.Experiment,
                on_round: Callable[[records.RoundRecord], None] | None = None):
     experiment.check()
-    simulate.warn_participation(experiment.config)
+    simulation_experiment.warn_participation(experiment.config)
     self.experiment = experiment
     self.on_round = on_round
     self.nodes: dict[int, int] = {}          # client -> node id
@@ -323,7 +324,7 @@ class PflaxStrategy(flwr_strategy.Strategy):
     loss = float(np.sum(kept) / max(len(kept), 1))
     dropped = tuple(int(i) for i in np.flatnonzero(took_part & ~healthy))
     if took_part.any() and not healthy.any():
-      raise RuntimeError(engine.all_dropped(
+      raise RuntimeError(faults_lib.all_dropped(
           f"round {server_round} of {self.experiment.algorithm} seed "
           f"{self.experiment.seed} (Flower)", "no valid reply in time, "))
     self.bytes_per_round[-1]["train_received"] = received

@@ -3,7 +3,7 @@
 `plot_accuracy` and `plot_output_norms` take a `Results` or the `RunRecord`s (or
 one) that `pflax.simulate.run` and `sweep` return, and return a pyplot figure, as
 `plt.subplots` would: a notebook shows it, `plt.show()` shows it, `fig.savefig`
-writes it. `Results.plot` writes both as PNGs from figures made without pyplot (no
+writes it. `save_plots` writes both as PNGs from figures made without pyplot (no
 backend chosen or changed, no window). matplotlib is imported only when a figure is
 drawn.
 """
@@ -64,7 +64,7 @@ def _pyplot_figure(figsize: tuple[float, float]) -> "Figure":
   return plt.figure(figsize=figsize, layout="constrained")
 
 
-def _file_figure(figsize: tuple[float, float]) -> "Figure":
+def file_figure(figsize: tuple[float, float]) -> "Figure":
   """A figure outside pyplot, to save: it touches no backend and needs no closing."""
   from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel
   return Figure(figsize=figsize, layout="constrained")
@@ -219,16 +219,17 @@ def _output_norms(results: records.Results, seed: int | None,
   return fig
 
 
-def save(results: records.Results, out_dir: str) -> list[str]:
-  """`Results.plot`: writes `accuracy.png` and, if there is anything to show,
-  `output_norms.png` into `out_dir` (made if missing); returns their paths."""
+def save_plots(results: records.Results, out_dir: str) -> list[str]:
+  """Writes `accuracy.png` (`plot_accuracy`) and, if there are output norms or
+  class counts, `output_norms.png` (`plot_output_norms`) into `out_dir` (made if
+  missing); returns their paths."""
   os.makedirs(out_dir, exist_ok=True)
   figures = {"accuracy.png": (lambda: _accuracy(
-      results, "personalized", None, _file_figure), 120)}
+      results, "personalized", None, file_figure), 120)}
   first = results.runs[0].seed if results.runs else None
   if results.class_counts is not None or any(
       np.size(r.output_norms) for r in results.runs if r.seed == first):
-    figures["output_norms.png"] = (lambda: _output_norms(results, None, _file_figure),
+    figures["output_norms.png"] = (lambda: _output_norms(results, None, file_figure),
                                    110)
   paths = []
   for name, (figure, dpi) in figures.items():

@@ -29,7 +29,9 @@ from pflax._src.core import types
 from pflax._src.data import federation as federation_lib
 from pflax._src.methods import algorithm as alg
 from pflax._src.simulation import engine
+from pflax._src.simulation import faults as faults_lib
 from pflax._src.simulation import groups as groups_lib
+from pflax._src.simulation import keys as keys_lib
 from pflax._src.training import train as train_lib
 
 
@@ -65,14 +67,14 @@ def training_keys(groups: groups_lib.Groups, seed: int, t: int
                   ) -> tuple[chex.PRNGKey, np.ndarray, chex.PRNGKey]:
   """Round `t`'s (from 0) participant key, `(M, 2)` client key data (each
   client's `group_training_keys`), server key."""
-  sample_key, train_key, server_key = engine.round_keys(engine.run_keys(seed)[2], t)
-  keys = _key_data(groups, functools.partial(engine.group_training_keys, train_key))
+  sample_key, train_key, server_key = keys_lib.round_keys(keys_lib.run_keys(seed)[2], t)
+  keys = _key_data(groups, functools.partial(keys_lib.group_training_keys, train_key))
   return sample_key, keys, server_key
 
 
 def warmup_keys(groups: groups_lib.Groups, seed: int) -> np.ndarray:
   """`(M, 2)` key data of the clients' warm-up training keys."""
-  return _key_data(groups, lambda g, ids: engine.warmup_training_keys(seed, ids))
+  return _key_data(groups, lambda g, ids: keys_lib.warmup_training_keys(seed, ids))
 
 
 def key_from_data(data: Any) -> chex.PRNGKey:
@@ -85,7 +87,7 @@ def round_tasks(groups: groups_lib.Groups, state: alg.State, seed: int, t: int,
                 participation: float) -> Tasks:
   """Round `t`'s (from 0) participants and what each trains from."""
   sample_key, keys, server_key = training_keys(groups, seed, t)
-  chosen = engine.round_participants(sample_key, groups.num_clients, participation)
+  chosen = keys_lib.round_participants(sample_key, groups.num_clients, participation)
   return Tasks(np.asarray(chosen), groups.algorithm.client_models(state),
                groups.algorithm.client_context(state), keys, server_key)
 
@@ -174,13 +176,13 @@ def _server_step(groups: groups_lib.Groups, state: alg.State, starts: engine.Per
 
 def server_step(groups: groups_lib.Groups, state: alg.State, tasks: Tasks,
                 uploads: dict[int, types.Tree], *,
-                outlier_factor: float | None = engine.OUTLIER_FACTOR
+                outlier_factor: float | None = faults_lib.OUTLIER_FACTOR
                 ) -> tuple[alg.State, np.ndarray]:
   """The engine's `server_step` on the uploads received: `(state, healthy)`.
 
   A participant whose upload did not arrive, is not finite or whose update
   norm exceeds `outlier_factor` x the round's median is dropped, by the
-  engine's rule (`engine.healthy_clients`): it counts as absent from the
+  engine's rule (`faults.healthy_clients`): it counts as absent from the
   server step. A round with no healthy upload keeps the state.
   """
   trained, received = with_uploads(groups, tasks.starts, uploads)
@@ -197,9 +199,9 @@ def _warmup_step(groups: groups_lib.Groups, state: alg.State, starts: engine.Per
 
 def warmup_step(groups: groups_lib.Groups, state: alg.State,
                 uploads: dict[int, types.Tree], *,
-                outlier_factor: float | None = engine.OUTLIER_FACTOR) -> alg.State:
+                outlier_factor: float | None = faults_lib.OUTLIER_FACTOR) -> alg.State:
   """The engine's `warmup_step` (`Algorithm.warmup`) on the uploads received,
-  the non-finite and outlying ones dropped (`engine.healthy_clients`)."""
+  the non-finite and outlying ones dropped (`faults.healthy_clients`)."""
   starts = groups.algorithm.client_models(state)
   trained, _ = with_uploads(groups, starts, uploads)
   return _warmup_step(groups, state, starts, trained, outlier_factor or None)

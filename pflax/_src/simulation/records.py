@@ -330,13 +330,6 @@ class Results:
                "last = the last evaluation.")
     return "\n".join(lines + ["", caption])
 
-  def plot(self, out_dir: str) -> list[str]:
-    """Writes `accuracy.png` (`pflax.simulate.plot_accuracy`) and, if there are
-    output norms or class counts, `output_norms.png` (`plot_output_norms`) into
-    `out_dir`; returns their paths."""
-    from pflax._src.simulation import plots  # pylint: disable=import-outside-toplevel
-    return plots.save(self, out_dir)
-
   def to_json(self) -> dict[str, Any]:
     counts = self.class_counts
     return {"config": dict(self.config),

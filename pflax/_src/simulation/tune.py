@@ -39,10 +39,10 @@ from pflax._src.data import split as split_lib
 from pflax._src.methods import algorithm as alg
 from pflax._src.methods import registry
 from pflax._src.simulation import engine
+from pflax._src.simulation import experiment
 from pflax._src.simulation import groups as groups_lib
 from pflax._src.simulation import plots
 from pflax._src.simulation import records
-from pflax._src.simulation import simulate
 from pflax._src.training import losses as losses_lib
 from pflax._src.training import mapping
 from pflax._src.training import train as train_lib
@@ -83,18 +83,19 @@ FRACTIONS = frozenset({"alpha"})
 `DIFFERENTIABLE` are positive and tuned as logs."""
 
 
-def differentiable_keywords(algorithm: str | simulate.Builder) -> tuple[str, ...]:
+def differentiable_keywords(algorithm: str | experiment.Builder) -> tuple[str, ...]:
   """The keywords `validation_loss` differentiates for `algorithm`: its row of
   `DIFFERENTIABLE`, or for a builder of your own "lr" and its float keywords
   (`pflax.simulate.sweepable`; their gradients are your builder's to make sense
   of)."""
   if isinstance(algorithm, str) and algorithm in DIFFERENTIABLE:
     return DIFFERENTIABLE[algorithm]
-  return simulate.sweepable(simulate.resolve_builder(algorithm)
+  return experiment.sweepable(experiment.resolve_builder(algorithm)
                             if isinstance(algorithm, str) else algorithm)
 
 
-def check_keys(algorithm: str | simulate.Builder, keys: Sequence[str]) -> tuple[str, ...]:
+def check_keys(algorithm: str | experiment.Builder, keys: Sequence[str]
+               ) -> tuple[str, ...]:
   """`keys` as a tuple, after checking each is differentiable for `algorithm`.
 
   Raises:
@@ -102,7 +103,7 @@ def check_keys(algorithm: str | simulate.Builder, keys: Sequence[str]) -> tuple[
       allowed ones.
   """
   allowed = differentiable_keywords(algorithm)
-  name = simulate._algorithm_name(algorithm)  # pylint: disable=protected-access
+  name = experiment.algorithm_name(algorithm)
   keys = tuple(keys)
   if not keys:
     raise ValueError(f"keys must name at least one of {name}'s differentiable "
@@ -186,12 +187,12 @@ class Task:
       (e.g. float64 under `jax.enable_x64`, to check hypergradients against
       finite differences).
   """
-  algorithm: str | simulate.Builder
+  algorithm: str | experiment.Builder
   name: str
-  builder: simulate.Builder
+  builder: experiment.Builder
   keys: tuple[str, ...]
   defaults: Mapping[str, float]
-  config: simulate.ExperimentConfig
+  config: experiment.ExperimentConfig
   model: nn.Module
   federation: federation_lib.Federation
   validation: Validation
@@ -201,10 +202,9 @@ class Task:
 
   def groups(self, values: Mapping[str, chex.Numeric]) -> groups_lib.Groups:
     """The algorithm built with `values` (traced or not) for the keys it names."""
-    # pylint: disable=protected-access
-    _, optimizer, keywords = simulate._builder_arguments(self.algorithm, self.config)
+    _, optimizer, keywords = experiment.builder_arguments(self.algorithm, self.config)
     parts = self.plan.build.parts
-    if parts is not None and simulate._takes_parts(self.builder):
+    if parts is not None and experiment.takes_parts(self.builder):
       keywords.setdefault("parts", parts)
     for key, value in values.items():
       (optimizer if key == "lr" else keywords)[key] = value
@@ -225,19 +225,18 @@ def client_optimizer(optimizer: str = "sgd", lr: chex.Numeric = 0.05,
   """`pflax.simulate.client_optimizer`, with Adam's `eps_root` set to
   `ADAM_EPS_ROOT` so that it can be differentiated through."""
   if optimizer != "adam":
-    return simulate.client_optimizer(optimizer, lr, momentum, adam_b1, grad_clip)
-  simulate.client_optimizer(optimizer, lr, momentum, adam_b1, grad_clip)  # its checks
+    return experiment.client_optimizer(optimizer, lr, momentum, adam_b1, grad_clip)
+  experiment.client_optimizer(optimizer, lr, momentum, adam_b1, grad_clip)  # its checks
   opt = optax.adam(lr, b1=adam_b1, b2=0.999, eps_root=ADAM_EPS_ROOT)
   if grad_clip:
     opt = optax.chain(optax.clip_by_global_norm(grad_clip), opt)
   return opt
 
 
-def _default_value(algorithm: str | simulate.Builder,
-                   config: simulate.ExperimentConfig, key: str) -> float:
+def _default_value(algorithm: str | experiment.Builder,
+                   config: experiment.ExperimentConfig, key: str) -> float:
   """A key's value in `config`, else the builder's default."""
-  # pylint: disable=protected-access
-  builder, optimizer, keywords = simulate._builder_arguments(algorithm, config)
+  builder, optimizer, keywords = experiment.builder_arguments(algorithm, config)
   if key == "lr":
     return float(optimizer["lr"])
   if key in keywords:
@@ -245,11 +244,11 @@ def _default_value(algorithm: str | simulate.Builder,
   return float(inspect.signature(builder).parameters[key].default)
 
 
-def make_task(algorithm: str | simulate.Builder, config: simulate.ExperimentConfig,
-              keys: Sequence[str], *, setup: simulate.Setup | None = None,
+def make_task(algorithm: str | experiment.Builder, config: experiment.ExperimentConfig,
+              keys: Sequence[str], *, setup: experiment.Setup | None = None,
               data_seed: int = 0, validation_fraction: float = 0.2,
               split_seed: int = 0, chunk_size: int | None = None,
-              dtype: Any = None, dataset: simulate.Data | None = None,
+              dtype: Any = None, dataset: experiment.Data | None = None,
               model: nn.Module | None = None) -> Task:
   """Prepares a differentiable run of `algorithm` on held-out validation data.
 
@@ -276,27 +275,26 @@ def make_task(algorithm: str | simulate.Builder, config: simulate.ExperimentConf
       heterogeneous models, an algorithm with a warm-up phase, or whatever
       `pflax.simulate` refuses in `config`.
   """
-  # pylint: disable=protected-access
   if config.strategy == "loop":
     raise ValueError("strategy 'loop' runs each client as its own jitted program from "
                      "a Python thread pool, which jax.grad cannot trace; use 'vmap' "
                      "or 'map' (memory-bounded chunks).")
   if config.heterogeneous:
     raise ValueError("heterogeneous=True is not supported by the differentiable run.")
-  simulate.warn_participation(config)
-  simulate.check_algorithm_keys(config, [algorithm])
+  experiment.warn_participation(config)
+  experiment.check_algorithm_keys(config, [algorithm])
   keys = check_keys(algorithm, keys)
   strategy = "vmap" if config.strategy == "auto" else config.strategy
   if setup is None:
-    setup = simulate.prepare(config, data_seed, dataset=dataset, model=model)
+    setup = experiment.prepare(config, data_seed, dataset=dataset, model=model)
   train, validation = hold_out(setup.federation, validation_fraction, seed=split_seed,
                                batch_size=config.batch_size)
   setup = dataclasses.replace(setup, federation=train)
   m = train.num_samples.shape[0]
-  plan = simulate._plan(algorithm, config, setup, m, strategy, None)
-  builder = (simulate.resolve_builder(algorithm) if isinstance(algorithm, str)
+  plan = experiment.plan(algorithm, config, setup, m, strategy, None)
+  builder = (experiment.resolve_builder(algorithm) if isinstance(algorithm, str)
              else algorithm)
-  name = simulate._algorithm_name(algorithm)
+  name = experiment.algorithm_name(algorithm)
   if plan.build(None).algorithm.warmup is not None:
     raise ValueError(f"{name} has a warm-up phase, which the differentiable run does "
                      "not run: set its warmup_epochs=0 in config.hyperparameters.")
@@ -405,15 +403,14 @@ def _run(task: Task, values: Mapping[str, chex.Array], federation: Any,
   trainers = tuple(_trainer(task, member) for member in groups.members)
   feds = groups.split(federation)
   plan = task.plan
-  # pylint: disable=protected-access
   if start is None:
     start = _start(task, groups, federation, seed)
 
   @jax.checkpoint
   def one_round(carry, t):
-    inputs = engine._round_inputs(plan, groups, carry, feds, seed, t)
+    inputs = engine.round_inputs(plan, groups, carry, feds, seed, t)
     results = tuple(train(*clients) for train, clients in zip(trainers, inputs.clients))
-    carry, metrics = engine._round_outputs(
+    carry, metrics = engine.round_outputs(
         groups, carry, inputs, results, outlier_factor=plan.outlier_factor,
         fault_kind=plan.fault_kind, fault_scale=plan.scale)
     return carry, metrics.losses
@@ -618,7 +615,7 @@ def plot_tuning(record: TuneRecord) -> Any:
   "logit" keys), the validation loss and the test accuracy against the step."""
   from pflax._src.simulation import plots  # pylint: disable=import-outside-toplevel
   panels = len(record.keys) + 2
-  fig = plots._file_figure((3.2 * panels, 3.0))  # pylint: disable=protected-access
+  fig = plots.file_figure((3.2 * panels, 3.0))
   axes = fig.subplots(1, panels)
   steps = [p.step for p in record.path]
   for ax, key in zip(axes, record.keys):
