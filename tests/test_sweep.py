@@ -149,7 +149,8 @@ def test_any_float_keyword_of_a_builder_is_sweepable():
   assert simulate.sweepable(algorithms.cwfedavg) == ("lr", "wdr_coef")
   assert simulate.sweepable(algorithms.fedavg) == ("lr", "trim_fraction", "radius")
   assert set(simulate.sweepable(algorithms.fedclassavg)) == {
-      "lr", "rho", "supcon_temperature", "supcon_base_temperature"}
+      "lr", "rho", "supcon_temperature", "supcon_base_temperature", "trim_fraction",
+      "radius"}
 
 
 @pytest.mark.parametrize("name,field,values", [
