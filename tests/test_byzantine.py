@@ -10,6 +10,10 @@ import numpy as np
 import pytest
 
 from pflax import aggregate as agg
+from pflax import algorithms
+from pflax import models
+from pflax import privacy
+from pflax import simulate
 
 import references as ref
 
@@ -207,9 +211,6 @@ SHARED_PART_METHODS = ("fedper", "fedrep", "ditto", "fedbabu", "fedavg_ft",
 def _after_a_round_with_one_liar(name, **keywords):
   """Every client's models after one round where clients 0-3 upload their start
   models + 1 and client 4 its start + 1e6: `(start, handed out)`, rows 0-3."""
-  from pflax import algorithms  # pylint: disable=import-outside-toplevel
-  from pflax import models  # pylint: disable=import-outside-toplevel
-  from pflax import simulate  # pylint: disable=import-outside-toplevel
   model = models.MLP(3, hidden=(4,))
   shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 5)))["params"]
   rng = np.random.default_rng(0)
@@ -241,10 +242,6 @@ def test_the_shared_part_of_a_personalized_method_takes_the_robust_rule(name):
 
 @pytest.mark.parametrize("name", SHARED_PART_METHODS)
 def test_robust_shared_parts_are_refused_under_dp_and_checked(name):
-  from pflax import algorithms  # pylint: disable=import-outside-toplevel
-  from pflax import models  # pylint: disable=import-outside-toplevel
-  from pflax import privacy  # pylint: disable=import-outside-toplevel
-  from pflax import simulate  # pylint: disable=import-outside-toplevel
   build = lambda **kw: algorithms.METHODS[name].builder(
       models.MLP(3), simulate.client_optimizer("sgd", 0.1), **kw)
   robust = build(robust="krum", num_byzantine=1)
