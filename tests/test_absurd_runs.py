@@ -3,12 +3,15 @@ client's reported training loss is checked like its upload, and a round in which
 every participant is dropped stops the run with a one-line error naming why."""
 
 import dataclasses
+import re
+import sys
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pflax import simulate
+from pflax._src.cli import main as cli
 from pflax._src.simulation import experiment as experiment_lib
 from pflax._src.simulation import faults as faults_lib
 
@@ -65,3 +68,36 @@ def test_with_faulty_clients_asked_an_empty_round_is_allowed(setup):
   config = dataclasses.replace(CONFIG, faulty_clients=0.2)
   run = simulate.run(fedavg_reporting(1e30, True), config, 0, setup=setup)
   assert run.history[0].dropped_clients == tuple(range(6))
+
+
+_LYING = """\
+import jax.numpy as jnp
+from pflax import algorithms
+
+
+def fedavg_lying(model, optimizer):
+  algorithm = algorithms.fedavg(model, optimizer)
+  def loss(params, context, batch, key):
+    return algorithm.loss(params, context, batch, key) + 1e30
+  return algorithm._replace(loss=loss)
+"""
+
+
+def test_pflax_run_stops_a_run_whose_every_client_is_dropped_in_one_line(
+    tmp_path, monkeypatch):
+  """The command line's end of the rule: a run in which every participant is
+  dropped exits non-zero with one line naming the round and why, and writes
+  no results as if it had trained."""
+  (tmp_path / "lying.py").write_text(_LYING)
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setattr(sys, "path", list(sys.path))
+  out = tmp_path / "out"
+  with pytest.raises(SystemExit) as error:
+    cli.main(["--algorithms", "lying:fedavg_lying", "--clients", "4", "--rounds", "2",
+              "--local-epochs", "1", "--model", "mlp", "--no-progress",
+              "--no-compilation-cache", "--out", str(out)])
+  message = str(error.value.code)
+  assert error.value.code != 0 and "\n" not in message, message
+  assert re.match(r"^pflax-run: round 1 of lying:fedavg_lying seed 0: every participant was "
+                  r"dropped", message), message
+  assert not (out / "results.json").exists()

@@ -175,3 +175,81 @@ def test_a_federation_finds_a_module_builder_after_the_installed_packages(tmp_pa
   assert done.stdout.split() == [str(tmp_path / "work"),
                                  str(tmp_path / "work" / "mine.py")]
   assert not planted.exists()
+
+
+_LISTENER = """\
+import socket, sys, time
+s = socket.socket()
+s.bind(('127.0.0.1', 0))
+s.listen()
+print(s.getsockname()[1], flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_private_network_is_reachable_from_inside_only():
+  """A port opened in a `PrivateNetwork` is seen by its holder and refused to
+  this process (the host's network); closing the network ends its holder."""
+  import socket  # pylint: disable=import-outside-toplevel
+  from pflax._src.flower import deploy as flower_deploy  # pylint: disable=import-outside-toplevel
+  network = flower_deploy.private_network(os.environ)
+  if network is None:
+    pytest.skip("no private network namespace on this machine")
+  listener = subprocess.Popen([*network.enter, sys.executable, "-I", "-c", _LISTENER],
+                              stdout=subprocess.PIPE, text=True)
+  try:
+    port = int(listener.stdout.readline())
+    assert network.listening(port)
+    with pytest.raises(ConnectionRefusedError):
+      socket.create_connection(("127.0.0.1", port), 1.0)
+    listener.kill()
+    listener.wait()
+    assert not network.listening(port)
+  finally:
+    listener.kill()
+    network.close()
+  assert network.holder.poll() is not None
+
+
+def test_isolate_true_refuses_to_start_without_a_private_network(monkeypatch):
+  from pflax._src.flower import deploy as flower_deploy  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(flower_deploy, "private_network", lambda env: None)
+  federation = flower_deploy.LocalFederation(1, isolate=True)
+  with pytest.raises(RuntimeError, match="^LocalFederation.isolate=True.: no private "
+                                         "network namespace could be made here"):
+    federation.__enter__()
+  assert federation.superlink is None and not os.path.exists(federation.workdir)
+  with pytest.warns(UserWarning, match="listens on the host's loopback"):
+    flower_deploy.LocalFederation(1)._open_network()  # pylint: disable=protected-access
+
+
+def test_symlinks_planted_for_the_flower_logs_are_replaced_never_followed(tmp_path):
+  """A `flower-logs` folder link and a `register.log` link planted in `--out`
+  (by someone who can write there) are replaced: the federation's logs go
+  into `--out`, and the files the links pointed at stay as they were."""
+  from pflax._src.flower import deploy as flower_deploy  # pylint: disable=import-outside-toplevel
+  elsewhere = tmp_path / "elsewhere"
+  elsewhere.mkdir()
+  (elsewhere / "superlink.log").write_text("theirs")
+  victim = tmp_path / "victim.txt"
+  victim.write_text("theirs")
+  out = tmp_path / "out"
+  out.mkdir()
+  (out / "flower-logs").symlink_to(elsewhere)
+  federation = flower_deploy.LocalFederation(1, workdir=str(tmp_path / "work"),
+                                             log_dir=str(out / "flower-logs"),
+                                             isolate=False)
+  federation._write_files()  # pylint: disable=protected-access
+  logs = out / "flower-logs"
+  assert logs.is_dir() and not logs.is_symlink()
+  (logs / "register.log").symlink_to(victim)
+  try:
+    for name in ("superlink", "register"):
+      log = federation._new_log(name)  # pylint: disable=protected-access
+      federation._start("", [sys.executable, "-c", "print('ours')"], log).wait()  # pylint: disable=protected-access
+      assert (logs / f"{name}.log").read_text() == "ours\n"
+      assert not (logs / f"{name}.log").is_symlink()
+  finally:
+    federation.close()
+  assert (elsewhere / "superlink.log").read_text() == "theirs"
+  assert victim.read_text() == "theirs"

@@ -1,16 +1,19 @@
 """A Flower federation of pflax on this machine against outsiders, and its end
-(slow): a process with a Flower home of its own that knows only the port and
-verifies the certificate (without pflax's CA, or without TLS) can neither list,
-submit nor stop runs, nor join as a SuperNode (one that skips verification can:
-docs/flower-security.md); SIGTERM or SIGKILL
-of `pflax-run --flower` leaves no process, no listening port and no key folder; `pflax-run
---flower` finds Flower beside its Python when that is not on PATH."""
+(slow): the federation runs in a private network namespace, so a process of
+the machine that knows its ports, verifying the certificate or not (a raw
+HTTPS request that skips verification, Flower's CLI, a SuperNode, a task
+runner on a node's runtime API, a 64 MiB request), reaches none of them, and
+another user cannot enter the namespace; a process in the namespace without
+pflax's CA or a registered key can neither list, submit nor stop runs, nor
+join as a SuperNode; SIGTERM or SIGKILL of `pflax-run --flower` leaves no
+process and no key folder; `pflax-run --flower` finds Flower beside its
+Python when that is not on PATH."""
 
+import contextlib
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,8 +36,13 @@ QUIET = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
 
 @pytest.fixture(scope="module")
 def federation():
-  with flower.LocalFederation(2) as f:
+  with flower.LocalFederation(2) as f:   # isolated where the system allows it
     yield f
+
+
+def _isolated(federation):  # pylint: disable=redefined-outer-name
+  if not federation.isolated:
+    pytest.skip("no private network namespace on this machine")
 
 
 @pytest.fixture
@@ -47,57 +55,121 @@ def rogue(federation, tmp_path):
   (home / "config.toml").write_text(
       f'[superlink]\ndefault = "plain"\n\n[superlink.plain]\naddress = "{address}"\n'
       f'insecure = true\n\n[superlink.tls]\naddress = "{address}"\n')
-  return {**os.environ, **QUIET, "FLWR_HOME": str(home)}
+  return {**os.environ, **QUIET, "FLWR_HOME": str(home),
+          "PATH": os.pathsep.join([BIN, os.environ.get("PATH", "")])}
 
 
-def _flwr(env, *args):
-  return subprocess.run([os.path.join(BIN, "flwr"), *args], env=env, text=True,
-                        capture_output=True, timeout=90, check=False)
+def _flwr(env, *args, inside=None):
+  """Flower's CLI, in the network of the federation `inside` (else the host's)."""
+  command = [os.path.join(BIN, "flwr"), *args]
+  return subprocess.run(inside.inside(command) if inside else command, env=env,
+                        text=True, capture_output=True, timeout=90, check=False)
 
 
-def _json(env, *args):
-  done = _flwr(env, *args, "--format", "json")
+def _json(env, *args, inside=None):
+  done = _flwr(env, *args, "--format", "json", inside=inside)
   assert done.returncode == 0, done.stdout + done.stderr
   return json.loads(done.stdout)
 
 
+@pytest.mark.parametrize("where", ["host", "namespace"])
 @pytest.mark.parametrize("connection", ["plain", "tls"])
 def test_an_outsider_can_neither_list_nor_submit_nor_stop(federation, rogue,
-                                                           connection):
+                                                           connection, where):
+  """From the host (the federation isolated) or from inside its network (as if
+  isolation were broken), without pflax's CA."""
+  if where == "host":
+    _isolated(federation)
+  inside = federation if where == "namespace" else None
   for command in (["ls"], ["run", federation.app_dir], ["stop", "1"]):
-    done = _flwr(rogue, *command, connection)
+    done = _flwr(rogue, *command, connection, inside=inside)
     assert done.returncode != 0, (command, done.stdout)
     assert "unavailable" in done.stdout + done.stderr, (command, done.stdout)
-  assert _json(federation.env, "ls")["runs"] == []  # nothing was submitted
+  assert _json(federation.env, "ls", inside=federation)["runs"] == []  # none submitted
 
 
-def test_an_outsider_that_skips_verification_lists_runs(federation):  # pylint: disable=redefined-outer-name
-  """What docs/flower-security.md says Flower 1.42 allows: a process that skips
-  certificate verification is served by the Control API (`list-runs`), since
-  TLS does not authenticate the client. When Flower starts refusing it, this
-  fails: then docs/flower-security.md and docs/flower.md can say the Control API
-  is closed."""
-  from flwr.proto import control_pb2  # pylint: disable=import-outside-toplevel,no-name-in-module
-  script = (
-      "import http.client, ssl, sys\n"
-      f"c = http.client.HTTPSConnection('127.0.0.1', {federation.port}, timeout=60, "
-      "context=ssl._create_unverified_context())\n"
-      "c.request('POST', '/v1/control/list-runs', body=bytes.fromhex(sys.argv[1]), "
-      "headers={'Content-Type': 'application/protobuf'})\n"
-      "r = c.getresponse()\nprint(r.status, len(r.read()))\n")
-  done = subprocess.run([sys.executable, "-I", "-c", script,
-                         control_pb2.ListRunsRequest().SerializeToString().hex()],
-                        capture_output=True, text=True, timeout=90, check=False)
+_REQUEST = """\
+import http.client, ssl, sys
+port, path, size = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+context = ssl._create_unverified_context()  # skips certificate verification
+for connection in (http.client.HTTPSConnection('127.0.0.1', port, timeout=30,
+                                               context=context),
+                   http.client.HTTPConnection('127.0.0.1', port, timeout=30)):
+  try:
+    connection.request('POST', path, body=b'\\0' * size,
+                       headers={'Content-Type': 'application/protobuf'})
+    print('served', connection.getresponse().status)
+  except OSError as error:
+    print('refused', type(error).__name__)
+"""
+
+
+def _request(port, path, size=0, user=None):
+  """What a raw HTTP(S) POST of `size` bytes to 127.0.0.1:port gets, from the
+  host's network (as `user`, if given), TLS verification skipped: a line per
+  attempt (TLS, then plain), "served STATUS" or "refused ERROR"."""
+  python = sys.executable if user is None else _python_of(user)
+  done = subprocess.run([python, "-I", "-c", _REQUEST, str(port), path, str(size)],
+                        capture_output=True, text=True, timeout=90, check=False,
+                        user=user)
   assert done.returncode == 0, done.stderr
-  assert done.stdout.split()[0] == "200", done.stdout
+  return done.stdout.split("\n")[:-1]
+
+
+def _python_of(user):
+  """A Python that `user` can run (the system's), or None."""
+  for python in ("/usr/bin/python3", "/usr/local/bin/python3"):
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+      if subprocess.run([python, "-I", "-c", "0"], user=user, capture_output=True,
+                        timeout=30, check=False).returncode == 0:
+        return python
+  return None
+
+
+def _users():
+  """Who the outsider runs as: this user, and `nobody` when this is root and
+  `nobody` can run a Python."""
+  return [None, "nobody"] if os.geteuid() == 0 and _python_of("nobody") else [None]
+
+
+def test_no_port_of_an_isolated_federation_is_reachable_from_the_host(federation):  # pylint: disable=redefined-outer-name
+  """Issue 34's findings, each from a real process of the host's network: a
+  client that skips certificate verification was served by the Control API
+  (`list-runs`); a task runner took a node's tasks on its runtime API
+  (`pull-message`); 1 GiB requests without credentials grew the SuperLink's
+  memory (here 64 MiB). Each is now refused before a byte is read, on every
+  port, as root and as `nobody`."""
+  _isolated(federation)
+  from flwr.proto import control_pb2  # pylint: disable=import-outside-toplevel,no-name-in-module
+  assert all(map(federation.network.listening, [federation.port, *federation.node_ports]))
+  list_runs = control_pb2.ListRunsRequest().SerializeToString()
+  attempts = [(federation.port, "/v1/control/list-runs", len(list_runs)),
+              (federation.port, "/v1/control/list-runs", 64 * 2**20),
+              *[(port, "/v1/clientappio/pull-message", 0)
+                for port in federation.node_ports]]
+  for user in _users():
+    for port, path, size in attempts:
+      assert _request(port, path, size, user) == [
+          "refused ConnectionRefusedError"] * 2, (user, port, path)
+
+
+def test_another_user_cannot_enter_the_federations_network(federation):  # pylint: disable=redefined-outer-name
+  _isolated(federation)
+  if os.geteuid() != 0:
+    pytest.skip("needs root to act as another user")
+  done = subprocess.run([*federation.network.enter, "true"], user="nobody",
+                        capture_output=True, text=True, timeout=30, check=False)
+  assert done.returncode != 0 and "Permission denied" in done.stderr, done.stderr
 
 
 def test_an_outsider_cannot_join_as_a_supernode(federation, rogue, tmp_path):
-  """Without a registered key, even with pflax's CA certificate in hand, or
-  without TLS, a SuperNode claiming partition 0 is not admitted."""
+  """Inside the federation's network (as if isolation were broken): without a
+  registered key, even with pflax's CA certificate in hand, or without TLS, a
+  SuperNode claiming partition 0 is not admitted."""
   ca = shutil.copy(os.path.join(federation.home, "tls", "ca.pem"), tmp_path)
   key = flower_keys.write_node_key(str(tmp_path / "keys"), "rogue")
-  before = {n["node-id"] for n in _json(federation.env, "supernode", "ls")["nodes"]}
+  before = {n["node-id"] for n in _json(federation.env, "supernode", "ls",
+                                        inside=federation)["nodes"]}
   attempts = {"unregistered key": ["--root-certificates", ca,
                                    "--auth-supernode-private-key", key.private],
               "no key": ["--root-certificates", ca], "no TLS": ["--insecure"]}
@@ -105,14 +177,14 @@ def test_an_outsider_cannot_join_as_a_supernode(federation, rogue, tmp_path):
   for name, flags in attempts.items():
     logs[name] = tmp_path / f"{name}.log"
     with open(logs[name], "w", encoding="utf-8") as log:
-      nodes.append(subprocess.Popen(
+      nodes.append(subprocess.Popen(federation.inside(
           [os.path.join(BIN, "flower-supernode"), *flags, "--superlink",
            f"127.0.0.1:{federation.port}", "--port", str(flower_deploy.free_port()),
-           "--node-config", "partition-id=0 num-partitions=2"],
+           "--node-config", "partition-id=0 num-partitions=2"]),
           env=rogue, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
   try:
     time.sleep(20)
-    after = _json(federation.env, "supernode", "ls")["nodes"]
+    after = _json(federation.env, "supernode", "ls", inside=federation)["nodes"]
   finally:
     for node in nodes:
       os.killpg(node.pid, signal.SIGKILL)
@@ -167,12 +239,16 @@ def _alive(token):
   return alive
 
 
-def _listening(port):
-  try:
-    with socket.create_connection(("127.0.0.1", port), 1.0):
-      return True
-  except OSError:
-    return False
+def _listening(port, network=None):
+  """Whether something listens on 127.0.0.1:port, in the network namespace
+  that the process `network` holds (else the host's)."""
+  enter = [] if network is None else ["nsenter", f"--target={network}", "--user",
+                                      "--net", "--preserve-credentials", "--"]
+  done = subprocess.run([*enter, sys.executable, "-I", "-c",
+                         "import socket, sys\n"
+                         "socket.create_connection(('127.0.0.1', int(sys.argv[1])), 1)",
+                         str(port)], capture_output=True, timeout=30, check=False)
+  return done.returncode == 0
 
 
 def _pflax_run(tmp_path, rounds, path=None):
@@ -188,7 +264,8 @@ def _pflax_run(tmp_path, rounds, path=None):
 
 
 def _wait_for_the_server_app(process, timeout=240.0):
-  """The federation's token, ports and Flower home once its ServerApp runs."""
+  """The federation's token, ports, Flower home and the holder of its network
+  (None: not isolated) once its ServerApp runs."""
   deadline = time.monotonic() + timeout
   while time.monotonic() < deadline:
     assert process.poll() is None, process.stdout.read()
@@ -200,7 +277,9 @@ def _wait_for_the_server_app(process, timeout=240.0):
                                 for p in tree)))
       ports = [int(c[c.index("--port") + 1]) for c in map(_cmdline, tree)
                if "--port" in c]
-      return token, ports, home
+      network = next((p for p in tree if [a for a in _cmdline(p) if a][-1:] == ["hold"]),
+                     None)
+      return token, ports, home, network
     time.sleep(0.5)
   raise AssertionError("no ServerApp started")
 
@@ -210,8 +289,8 @@ def _wait_for_the_server_app(process, timeout=240.0):
 def test_killing_pflax_run_flower_leaves_no_process_and_no_port(sig, tmp_path):
   process = _pflax_run(tmp_path, rounds=100)
   try:
-    token, ports, home = _wait_for_the_server_app(process)
-    assert ports and all(map(_listening, ports))
+    token, ports, home, network = _wait_for_the_server_app(process)
+    assert ports and all(_listening(port, network) for port in ports)
     assert os.path.isdir(os.path.join(home, "keys"))
     os.kill(process.pid, sig)
     output = process.communicate(timeout=40)[0]
@@ -219,7 +298,9 @@ def test_killing_pflax_run_flower_leaves_no_process_and_no_port(sig, tmp_path):
     while _alive(token) and time.monotonic() < deadline:
       time.sleep(0.2)
     assert not _alive(token), [_cmdline(p) for p in _alive(token)]
-    assert not any(map(_listening, ports))
+    if network is None:
+      assert not any(map(_listening, ports))
+    # else every process of its namespace, the holder included, is gone: so is it
     while os.path.exists(home) and time.monotonic() < deadline + 10.0:
       time.sleep(0.2)
     assert not os.path.exists(os.path.dirname(home))  # the CA and node keys too
@@ -253,4 +334,5 @@ def test_insecure_is_explicit_and_warns(tmp_path):
     config.write_text(f'[superlink.plain]\naddress = "127.0.0.1:{federation.port}"\n'
                       'insecure = true\n')
     outsider = {**os.environ, **QUIET, "FLWR_HOME": str(config.parent)}
-    assert _json(outsider, "ls", "plain")["runs"] == []  # what the option allows
+    # what the option allows, to whoever reaches the port
+    assert _json(outsider, "ls", "plain", inside=federation)["runs"] == []

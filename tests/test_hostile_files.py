@@ -86,6 +86,17 @@ def test_the_idx_reader_rejects_data_after_the_declared_payload(tmp_path, gz):
     data.load_idx(folder)
 
 
+def test_a_gzip_idx_stops_decompressing_at_its_declared_size(tmp_path):
+  """2 bytes declared, 64 MiB more in the same gzip stream (64 kB stored): the
+  reader decompresses at most one byte past the declared size, so it refuses
+  the file without holding the 64 MiB."""
+  images = _idx((2, 1, 1), bytes(64 * 2**20 + 2))
+  folder = _folder(tmp_path, images, _idx((2,), bytes([0, 1])))
+  error, peak = _peak_bytes(lambda: data.load_idx(folder))
+  assert "declares 2 bytes of data, the file holds more" in str(error)
+  assert peak < 2**20, peak
+
+
 def _zip(tmp_path, members: dict[str, bytes], name="bomb.npz") -> str:
   path = tmp_path / name
   with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:

@@ -9,16 +9,25 @@ with Flower's simulation engine instead (the clients are Ray actors of that
 SuperLink; no SuperNode processes). `run` submits an experiment with
 `flwr run` and returns its `results.json`.
 
-TLS and SuperNode authentication by default: the SuperLink speaks TLS only,
+A private network by default: every process of the federation runs in a user
+and network namespace of its own (`unshare --user --map-root-user --net`,
+entered with `nsenter`; Linux, no privilege needed where the kernel allows
+unprivileged user namespaces), whose loopback interface no other process
+of the machine can reach. That is what authenticates whoever connects to
+the Control, Fleet, ServerAppIo and ClientAppIo APIs, which Flower 1.42's
+open-source release does not (a client that skips certificate verification
+is served by the Control API; a SuperNode's runtime API takes anyone's task
+runner): only a process pflax started, or one its user starts with
+`nsenter` into the namespace (`LocalFederation.inside`), can connect. Where
+the namespace cannot be made, `isolate=None` warns and falls back to the
+host's loopback, `isolate=True` refuses to start. See docs/flower-security.md.
+
+TLS and SuperNode authentication too: the SuperLink speaks TLS only,
 with a certificate of a certificate authority made for this federation, and
 admits only SuperNodes whose keys pflax generated and registered
 (`--enable-supernode-auth`). Certificates, keys and the Flower home lie in a
 private (0700) directory, removed on every exit (SIGKILL of this process
-included: the watchdog). Not secure against other local processes: Flower 1.42's
-open-source release authenticates neither the clients of the SuperLink's
-Control API (a client that skips certificate verification can list, submit and
-stop runs and register a node key) nor those of a SuperNode's runtime API (any
-local process can take the node's tasks); see docs/flower-security.md.
+included: the watchdog).
 
 No orphans: every process is started in a process group of its own, killed
 (SIGKILL) by the kernel if the Python process that started it dies
@@ -178,14 +187,64 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+def _listening(port: int) -> bool:
+  """Whether something listens on `LOOPBACK:port` of this process's network."""
+  with contextlib.suppress(OSError), socket.create_connection((LOOPBACK, port), 0.5):
+    return True
+  return False
+
+
+class PrivateNetwork:
+  """A user and network namespace of its own, held by a process (`flower_guard.py
+  hold`) that ends when this process closes its pipe or dies.
+
+  `enter + command` runs `command` in it; `listening(port)` asks the holder
+  whether something listens on the namespace's `LOOPBACK:port`.
+  """
+
+  def __init__(self, holder: subprocess.Popen):
+    self.holder = holder
+    self.enter = [shutil.which("nsenter") or "nsenter", f"--target={holder.pid}",
+                  "--user", "--net", "--preserve-credentials", "--"]
+
+  def listening(self, port: int) -> bool:
+    self.holder.stdin.write(f"{port}\n")
+    self.holder.stdin.flush()
+    return self.holder.stdout.readline().strip() == "1"
+
+  def close(self) -> None:
+    with contextlib.suppress(OSError):
+      self.holder.stdin.close()
+    _stop([self.holder], 5.0)
+
+
+def private_network(env: Mapping[str, str]) -> PrivateNetwork | None:
+  """A new `PrivateNetwork` (its holder with the environment `env`), or None
+  where the system cannot make one (not Linux, no `unshare`/`nsenter`, or
+  unprivileged user namespaces disabled)."""
+  unshare = shutil.which("unshare")
+  if not sys.platform.startswith("linux") or not unshare or not shutil.which("nsenter"):
+    return None
+  holder = subprocess.Popen(
+      [unshare, "--user", "--map-root-user", "--net", "--", sys.executable, "-I",
+       flower_guard.__file__, "hold"],
+      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+      text=True, env=dict(env), start_new_session=True)
+  if holder.stdout.readline().strip() != "ready":
+    _stop([holder], 0.0)
+    return None
+  return PrivateNetwork(holder)
+
+
 def _wait_for_port(port: int, process: subprocess.Popen, log: str,
-                   timeout: float) -> None:
+                   timeout: float, listening: Callable[[int], bool] = _listening
+                   ) -> None:
   deadline = time.monotonic() + timeout
   while time.monotonic() < deadline:
     if process.poll() is not None:
       raise RuntimeError(f"{_name(process)} exited ({process.returncode}): "
                          f"{_tail(log)}")
-    with contextlib.suppress(OSError), socket.create_connection((LOOPBACK, port), 0.5):
+    if listening(port):
       return
     time.sleep(0.2)
   raise RuntimeError(f"{_name(process)} did not listen on {LOOPBACK}:{port} within "
@@ -207,7 +266,7 @@ def _activated(node: subprocess.Popen, log: str, offset: int, deadline: float
 
 def _name(process: subprocess.Popen) -> str:
   """The command that `_popen` started."""
-  return os.path.basename(process.args[4])
+  return os.path.basename(process.args[process.args.index("exec") + 2])
 
 
 def _tail(path: str, lines: int = 15) -> str:
@@ -225,14 +284,27 @@ def _executable(name: str) -> str:
   return here if os.access(here, os.X_OK) else (shutil.which(name) or name)
 
 
-def _popen(args: list[str], log: str, env: Mapping[str, str]) -> subprocess.Popen:
+def _popen(args: list[str], log: str, env: Mapping[str, str],
+           enter: list[str] | None = None) -> subprocess.Popen:
   """Starts `args` in a process group of its own that the kernel kills if this
-  process dies (`flower_guard.py exec`), its output appended to the file `log`."""
-  with open(log, "a", encoding="utf-8") as f:
-    return subprocess.Popen([sys.executable, "-I", flower_guard.__file__, "exec",
-                             str(os.getpid()), *args],
+  process dies (`flower_guard.py exec`), its output appended to the file `log`;
+  in a `PrivateNetwork` when `enter` is its `enter`."""
+  fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+               0o600)
+  with open(fd, "a", encoding="utf-8") as f:
+    return subprocess.Popen([*(enter or []), sys.executable, "-I",
+                             flower_guard.__file__, "exec", str(os.getpid()), *args],
                             stdout=f, stderr=subprocess.STDOUT, env=env,
                             stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def _own_folder(path: str) -> None:
+  """Makes the folder `path`, a symlink there replaced by a real folder (never
+  followed: the logs of a federation go where asked, not where someone else's
+  link points)."""
+  if os.path.islink(path):
+    os.remove(path)
+  os.makedirs(path, exist_ok=True)
 
 
 def _stop(processes: list[subprocess.Popen], grace: float = 10.0) -> None:
@@ -263,23 +335,29 @@ class LocalFederation:
     cpus_per_client: with `simulation`, CPUs Ray reserves per client app (so
       how many clients train at once).
     insecure: no TLS and no SuperNode authentication (a warning): any process
-      on this machine that knows the port can use the SuperLink.
+      that can reach the port can use the SuperLink.
     log_dir: where the processes' logs are written and kept (default:
       `workdir`).
     node_env: `{i: variables}`, extra environment variables of SuperNode i's
       processes only (its SuperExec and ClientApps inherit them), over `env`:
       e.g. another `PYTHONPATH` for one node (a node running other code).
+    isolate: run every process in a `PrivateNetwork`, which no other process
+      of the machine can reach: None (default) where the system allows it,
+      else a warning and the host's loopback; True: refuse to start without;
+      False: the host's loopback.
 
   Raises (on entry):
     RuntimeError: a deployment (not `simulation`) would need more memory than
-      the machine has available (`check_memory`), before starting anything.
+      the machine has available (`check_memory`), before starting anything;
+      `isolate=True` and no `PrivateNetwork` can be made.
   """
 
   def __init__(self, num_nodes: int, workdir: str | None = None,
                env: Mapping[str, str] | None = None, simulation: bool = False,
                cpus_per_client: int = 1, insecure: bool = False,
                log_dir: str | None = None,
-               node_env: Mapping[int, Mapping[str, str]] | None = None):
+               node_env: Mapping[int, Mapping[str, str]] | None = None,
+               isolate: bool | None = None):
     if num_nodes < 1:
       raise ValueError(f"num_nodes must be >= 1, got {num_nodes}.")
     if cpus_per_client < 1:
@@ -292,9 +370,9 @@ class LocalFederation:
                        f"{sorted(node_env)}.")
     if insecure:
       warnings.warn("LocalFederation(insecure=True): the SuperLink runs without TLS "
-                    "or SuperNode authentication; any process on this machine that "
-                    "knows its port can list, submit and stop runs and join as a "
-                    "node.", stacklevel=2)
+                    "or SuperNode authentication; any process that can reach its "
+                    "port can list, submit and stop runs and join as a node.",
+                    stacklevel=2)
     self.num_nodes = num_nodes
     self.simulation = simulation
     self.cpus_per_client = cpus_per_client
@@ -317,9 +395,49 @@ class LocalFederation:
     self.port = 0
     self._runs = 0
     self._watchdog: subprocess.Popen | None = None
+    self.isolate = isolate
+    self.network: PrivateNetwork | None = None
+    self.node_ports: list[int] = []
+
+  @property
+  def isolated(self) -> bool:
+    """Whether the federation runs in a `PrivateNetwork`."""
+    return self.network is not None
+
+  def inside(self, command: list[str]) -> list[str]:
+    """`command` run in the federation's network (as is when not isolated): e.g.
+    `subprocess.run(federation.inside(["flwr", "ls"]), env=federation.env)`."""
+    return [*(self.network.enter if self.network else []), *command]
+
+  def _listening(self, port: int) -> bool:
+    return self.network.listening(port) if self.network else _listening(port)
+
+  def _open_network(self) -> None:
+    """Makes the `PrivateNetwork` as `isolate` asks (before any process)."""
+    if self.isolate is False:
+      return
+    self.network = private_network(self.env)
+    if self.network is not None:
+      return
+    why = ("no private network namespace could be made here (Linux with "
+           "unprivileged user namespaces, and util-linux's unshare and nsenter, "
+           "are needed)")
+    if self.isolate:
+      raise RuntimeError(f"LocalFederation(isolate=True): {why}.")
+    warnings.warn(f"LocalFederation: {why}; the federation listens on the host's "
+                  "loopback, where any local process can reach its ports "
+                  "(docs/flower-security.md).", stacklevel=3)
 
   def _log(self, name: str) -> str:
     return os.path.join(self.log_dir, f"{name}.log")
+
+  def _new_log(self, name: str) -> str:
+    """`_log(name)`, whatever was there removed (a symlink planted there
+    included: the log is created, never written through it)."""
+    log = self._log(name)
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(log)
+    return log
 
   def _start(self, name: str, args: list[str], log: str | None = None,
              env: Mapping[str, str] | None = None) -> subprocess.Popen:
@@ -327,16 +445,15 @@ class LocalFederation:
     `self.env` updated with `env`; the first call starts the watchdog that kills
     the federation if this process dies."""
     if log is None:
-      log = self._log(name)
-      with contextlib.suppress(FileNotFoundError):
-        os.remove(log)
+      log = self._new_log(name)
     if self._watchdog is None:  # kills what is left if this process dies
       self._watchdog = subprocess.Popen(
           [sys.executable, "-I", flower_guard.__file__, "watch", self._token,
            *self._secrets()],
           stdin=subprocess.PIPE, text=True, start_new_session=True)
     return _popen(args, log, {**self.env, **(env or {}),
-                              flower_guard.VARIABLE: self._token})
+                              flower_guard.VARIABLE: self._token},
+                  self.network.enter if self.network else None)
 
   def _secrets(self) -> list[str]:
     """What is removed on every exit, SIGKILL included: a temporary workdir
@@ -358,7 +475,7 @@ class LocalFederation:
     """The Flower home's `config.toml`, the app, and (unless insecure) the
     SuperLink's certificates."""
     flower_keys.private_directory(self.home)
-    os.makedirs(self.log_dir, exist_ok=True)
+    _own_folder(self.log_dir)
     certificates = (None if self.insecure else flower_keys.write_certificates(
         os.path.join(self.home, "tls")))
     tls = ("insecure = true" if certificates is None
@@ -371,7 +488,7 @@ class LocalFederation:
 
   def _register(self, keys: list[flower_keys.NodeKey]) -> None:
     """Registers the SuperNodes' public keys with the SuperLink."""
-    log = self._log("register")
+    log = self._new_log("register")
     registering = [self._start("", [_executable("flwr"), "supernode", "register",
                                     k.public, CONNECTION], log) for k in keys]
     try:
@@ -395,6 +512,7 @@ class LocalFederation:
     try:
       if not self.simulation:
         check_memory(self.num_nodes, available_memory())
+      self._open_network()
       self.port = free_port()
       certificates = self._write_files()
       tls = ["--insecure"] if certificates is None else [
@@ -405,7 +523,8 @@ class LocalFederation:
           _executable("flower-superlink"), *tls, *auth, "--host", LOOPBACK,
           "--port", str(self.port), "--disable-runtime-dependency-installation",
           *(["--simulation"] if self.simulation else [])])
-      _wait_for_port(self.port, self.superlink, self._log("superlink"), 60.0)
+      _wait_for_port(self.port, self.superlink, self._log("superlink"), 60.0,
+                     self._listening)
       if not self.simulation:
         self._start_nodes(certificates)
     except BaseException:
@@ -428,7 +547,7 @@ class LocalFederation:
           "--node-config", f"partition-id={i} num-partitions={self.num_nodes}"])
       node, port = self._spawn_node(i)
       self.supernodes.append(node)
-      _wait_for_port(port, node, self._log(f"supernode-{i}"), 60.0)
+      _wait_for_port(port, node, self._log(f"supernode-{i}"), 60.0, self._listening)
 
   def _spawn_node(self, i: int, log: str | None = None) -> tuple[subprocess.Popen, int]:
     """Starts SuperNode i (its key, if any, as before) on a new port: `(process,
@@ -436,6 +555,7 @@ class LocalFederation:
     port = free_port()
     node = self._start(f"supernode-{i}", [*self._node_args[i], "--port", str(port)],
                        log, env=self.node_env.get(i))
+    self.node_ports[i:i + 1] = [port]
     return node, port
 
   def __exit__(self, *exc: Any) -> None:
@@ -487,6 +607,9 @@ class LocalFederation:
     _stop([p for p in [*self.supernodes, self.superlink] if p is not None])
     self.supernodes, self.superlink = [], None
     flower_guard.sweep(self._token)  # what Flower started outside the groups
+    if self.network is not None:
+      self.network.close()
+      self.network = None
     if self._watchdog is not None:
       with contextlib.suppress(OSError):
         self._watchdog.stdin.write("done\n")
@@ -524,7 +647,7 @@ class LocalFederation:
     run_config = write_run_config(os.path.join(self.workdir, "run.toml"), experiment,
                                   out, timeout)
     self._runs += 1
-    log = self._log(f"run-{self._runs}-{experiment.algorithm.replace(':', '-')}")
+    log = self._new_log(f"run-{self._runs}-{experiment.algorithm.replace(':', '-')}")
     submit = self._start("", [_executable("flwr"), "run", self.app_dir, CONNECTION,
                                 "--stream", "--run-config", run_config,
                                 *self._federation_config()], log)

@@ -16,17 +16,29 @@ SuperExecs, ServerApps and ClientApps, whatever their process group).
   (SIGKILL) every process of TOKEN (Linux; `/proc/PID/environ`) and removes
   each PATH (the federation's private folder with its certificate authority and
   node keys).
+- `python flower_guard.py hold`, started by `unshare --user --map-root-user
+  --net` (a new user and network namespace, in which only the processes pflax
+  enters with `nsenter` live): brings the namespace's loopback interface up,
+  prints "ready", then answers each line PORT of its stdin with "1" if
+  something listens on 127.0.0.1:PORT in the namespace, else "0", until its
+  stdin ends (the process holding the pipe closed it or died).
 """
 
+import contextlib
 import ctypes
+import fcntl
 import os
 import shutil
 import signal
+import socket
+import struct
 import sys
 import time
 
 VARIABLE = "PFLAX_FEDERATION"
 _PR_SET_PDEATHSIG = 1
+_SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
+_IFREQ = "16sH22x"  # struct ifreq: the name, then ifr_flags in a 24-byte union
 
 
 def sweep(token: str) -> int:
@@ -72,8 +84,32 @@ def _watch(token: str, paths: list[str]) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def _loopback_up() -> None:
+  """Sets the `lo` interface of this network namespace up (a new namespace's is
+  down)."""
+  with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    request = struct.pack(_IFREQ, b"lo", 0)
+    flags = struct.unpack(_IFREQ, fcntl.ioctl(s, _SIOCGIFFLAGS, request))[1]
+    fcntl.ioctl(s, _SIOCSIFFLAGS, struct.pack(_IFREQ, b"lo", flags | _IFF_UP))
+
+
+def _listening(port: int) -> bool:
+  with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+    return True
+  return False
+
+
+def _hold() -> None:
+  _loopback_up()
+  print("ready", flush=True)
+  for line in sys.stdin:
+    print("1" if _listening(int(line)) else "0", flush=True)
+
+
 if __name__ == "__main__":
   if sys.argv[1] == "exec":
     _exec(int(sys.argv[2]), sys.argv[3:])
+  elif sys.argv[1] == "hold":
+    _hold()
   else:
     _watch(sys.argv[2], sys.argv[3:])
