@@ -71,6 +71,33 @@ def test_a_second_run_on_the_same_out_is_one_line(tmp_path):
   assert not (out / "results.json").exists()
 
 
+def test_the_lock_is_held_while_the_run_writes_anything(tmp_path, monkeypatch):
+  """Every file a run writes in `--out` (the results and the plots; not the
+  write test of its checks, before the lock) is written while its lock is
+  held: another process's `flock` of it would be refused at each of those
+  moments (a second open file is another `flock` owner, even in this
+  process)."""
+  out = tmp_path / "out"
+  write, held = records.write_file, {}
+
+  def checking_write(path, data):
+    if os.path.basename(path) == ".pflax-write-test":
+      return write(path, data)
+    fd = os.open(out / LOCK_FILE, os.O_RDONLY)
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      held[os.path.basename(path)] = False
+    except BlockingIOError:
+      held[os.path.basename(path)] = True
+    finally:
+      os.close(fd)
+    return write(path, data)
+  monkeypatch.setattr(records, "write_file", checking_write)
+  assert cli.main(TINY + ["--algorithms", "fedavg", "--out", str(out)]) == 0
+  assert {"results.json", "accuracy.png", "output_norms.png"} <= set(held), held
+  assert all(held.values()), held
+
+
 def test_a_planted_lock_symlink_is_refused(tmp_path):
   out = tmp_path / "out"
   out.mkdir()
