@@ -176,7 +176,7 @@ def test_a_round_without_any_reply_stops_the_run_naming_why(jax_cache, tmp_path)
   with flower.LocalFederation(1, env=jax_cache) as federation:
     with pytest.raises(RuntimeError) as error:
       federation.run(flower.Experiment("fedavg", config, 0), str(tmp_path),
-                     timeout=15.0,
+                     timeout=30.0,
                      on_round=lambda done: done == 1 and federation.hang_node(0))
   first = str(error.value).splitlines()[0]
   assert first.startswith("the Flower run of fedavg stopped: RuntimeError: round 2 "
