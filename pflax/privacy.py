@@ -5,6 +5,7 @@ from pflax._src.aggregators.accounting import epsilons
 from pflax._src.aggregators.accounting import noise_multiplier_for
 from pflax._src.aggregators.accounting import rounds_within
 from pflax._src.aggregators.privacy import clip_deltas
+from pflax._src.aggregators.privacy import dp_class_models
 from pflax._src.aggregators.privacy import dp_mean
 from pflax._src.aggregators.privacy import noisy_sum
 from pflax._src.aggregators.privacy import poisson_sample
@@ -16,6 +17,7 @@ from pflax._src.methods.privacy import private
 __all__ = (
     "REFUSED",
     "clip_deltas",
+    "dp_class_models",
     "dp_mean",
     "epsilon",
     "epsilons",

@@ -245,8 +245,7 @@ def test_robust_shared_parts_are_refused_under_dp_and_checked(name):
   build = lambda **kw: algorithms.METHODS[name].builder(
       models.MLP(3), simulate.client_optimizer("sgd", 0.1), **kw)
   robust = build(robust="krum", num_byzantine=1)
-  if name != "fedclassavg":   # FedClassAvg is refused for its warm-up anyway
-    assert "robust" in privacy.not_covered(robust, None)
+  assert "robust" in privacy.not_covered(robust, None)
   with pytest.raises(ValueError, match="robust must be one of"):
     build(robust="mean")
   with pytest.raises(ValueError, match="radius"):

@@ -46,6 +46,9 @@ exclusive models, one per client and never a global model."""
 State = Any
 """An algorithm's state: a NamedTuple of arrays (e.g. `GlobalModel`)."""
 
+ServerUpdate = Callable[[State, types.Stacked, chex.Array, chex.PRNGKey], State]
+"""`server_update(state, trained, mask, key) -> state` (`Algorithm.server_update`)."""
+
 
 class Warmup(NamedTuple):
   """Local training of every client before round 1, then `update`.
@@ -54,9 +57,13 @@ class Warmup(NamedTuple):
     epochs: local epochs of the warm-up.
     update: `update(state, trained, mask) -> state`, with `trained` and `mask`
       as in `Algorithm.server_update`.
+    local: whether `update` only keeps each client's own trained model
+      (nothing is aggregated, so nothing has to leave a client): client-level
+      DP (`pflax.privacy.private`) allows only such a warm-up.
   """
   epochs: int
   update: Callable[[State, types.Stacked, chex.Array], State]
+  local: bool = False
 
 
 def no_context(state: State) -> None:
@@ -126,12 +133,16 @@ class Algorithm(NamedTuple):
       tree, each such leaf's start being the broadcast global; None when the
       method declares none (client-level DP, `pflax.privacy.private`, refuses
       it).
+    private_update: None, or the method's own server step under client-level
+      DP: `private_update(clip_norm, noise_multiplier, expected_participants)
+      -> server_update`, whose key is the noise's (`pflax.privacy.private`
+      uses it in place of the generic noised mean of `uploads`).
   """
   init: Callable[[types.Stacked, chex.Array, chex.PRNGKey], State]
   client_models: Callable[[State], types.Stacked]
   loss: train.LossFn
   optimizer: optax.GradientTransformation
-  server_update: Callable[[State, types.Stacked, chex.Array, chex.PRNGKey], State]
+  server_update: ServerUpdate
   evaluate: Callable[[State], dict[str, types.Stacked]]
   client_context: Callable[[State], Any] = no_context
   keep_opt_state: bool = False
@@ -139,6 +150,7 @@ class Algorithm(NamedTuple):
   unroll: int | bool | None = None
   architectures: Architectures | None = None
   uploads: Callable[[types.Stacked], list[bool]] | None = None
+  private_update: Callable[[float, float, float], ServerUpdate] | None = None
 
 
 def everything(trained: types.Stacked) -> list[bool]:

@@ -11,6 +11,7 @@ import optax
 from pflax._src import methods
 from pflax._src.aggregators import cwfedavg as cw_lib
 from pflax._src.aggregators import fedavg as fedavg_lib
+from pflax._src.aggregators import privacy as privacy_lib
 from pflax._src.core import tree as tree_lib
 from pflax._src.core import types
 from pflax._src.core import weights as weights_lib
@@ -33,6 +34,9 @@ class ClassModels(NamedTuple):
     uploads: `(M, ...)` each client's latest upload of the class-wise layers
       (its `w_i^L` of Eq. 6; the other leaves None).
     uploaded: `(M,)` whether the client has uploaded at least once.
+
+  Under client-level DP `uploads` and `uploaded` keep their initial values:
+  the server stores no client's upload (docs/privacy.md#cwfedavg).
   """
   class_models: types.Tree
   rest: types.Tree
@@ -129,11 +133,36 @@ def cwfedavg(model: nn.Module, optimizer: optax.GradientTransformation, *,
       new = new._replace(rest=fedavg_lib.fedavg(rest, n, mask=mask))
     return new
 
+  def private_update(clip_norm, noise_multiplier, expected_participants):
+    """Eq. 6 under client-level DP (`pflax.privacy.dp_class_models`): the
+    participants' class-weighted contributions and updates of the other layers,
+    clipped jointly, noised, over the fixed `q M / K` and `q M`; the weights
+    are each client's own `p~_i` (uniform in place of the private `n_i`), and
+    no upload is stored (docs/privacy.md#cwfedavg)."""
+    def server_update(state, trained, mask, key):
+      dist = state.class_dist
+      if class_dist == "estimated":    # Eq. 4, on the client's own kernel
+        dist = jnp.where(mask[:, None], cw_lib.estimate_class_dist(kernel(trained)),
+                         dist)
+      m = state.class_counts.shape[0]
+      selected, rest = tree_lib.partition(trained, layers)
+      updates = jax.tree.map(lambda u, g: u - g, rest,
+                             tree_lib.broadcast(state.rest, m))
+      class_models, rest_update = privacy_lib.dp_class_models(
+          selected, state.class_models, dist, key, clip_norm, noise_multiplier,
+          expected_participants, rest=updates, mask=mask)
+      return state._replace(
+          class_dist=dist, class_models=class_models,
+          rest=jax.tree.map(lambda g, d: (g + d).astype(g.dtype), state.rest,
+                            rest_update))
+    return server_update
+
   return alg.Algorithm(
       init=init, client_models=client_models, loss=loss, optimizer=optimizer,
       server_update=server_update,
       evaluate=lambda state: {"personalized": client_models(state)},
-      client_context=lambda state: state.class_counts.astype(jnp.float32))
+      client_context=lambda state: state.class_counts.astype(jnp.float32),
+      private_update=private_update)
 
 
 METHOD = methods.Method(

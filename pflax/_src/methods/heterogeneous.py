@@ -119,4 +119,5 @@ def heterogeneous(build: Callable[[nn.Module], alg.Algorithm],
       evaluate=evaluate,
       warmup=warm and warm._replace(update=lambda state, trained, mask: updated(
           warm.update, state, trained, mask)),
-      architectures=architectures)
+      architectures=architectures,
+      private_update=None)
