@@ -1,6 +1,7 @@
 """Federated simulation: configure an experiment, run it, sweep it, read, tabulate and
-plot its records."""
+plot its records; the round every run takes (`round_step`)."""
 
+from pflax._src.simulation.engine import round_step
 from pflax._src.simulation.experiment import ExperimentConfig
 from pflax._src.simulation.experiment import Setup
 from pflax._src.simulation.experiment import client_optimizer
@@ -33,6 +34,7 @@ __all__ = (
     "plot_output_norms",
     "prepare",
     "resolve_builder",
+    "round_step",
     "run",
     "save_plots",
     "sweep",

@@ -821,13 +821,20 @@ def _groups(name):
   return groups_lib.as_groups(algorithm, MODEL, M)
 
 
+def _plan(groups, participation=1.0, num_clients=M):
+  """A plan of one run of `groups`, without faults."""
+  return engine.Plan(build=lambda value: groups, num_clients=num_clients,
+                     participation=participation, fault_fraction=0.0, local_epochs=1,
+                     batch_size=2, strategy="vmap")
+
+
 def _round_outputs(name):
   """The engine's server step of one run after local training (`round_outputs`)."""
   groups = _groups(name)
 
   def step(carry, inputs, result):
     (state, (opt,)), metrics = engine.round_outputs(
-        groups, engine.Carry(carry[0], (carry[1],)), inputs, (result,))
+        _plan(groups), groups, engine.Carry(carry[0], (carry[1],)), inputs, (result,))
     return (state, opt), metrics
   return step
 
@@ -835,11 +842,9 @@ def _round_outputs(name):
 def _round_inputs(name, participation, num_clients, carry, fed, t):
   """The engine's round inputs of one run (seed 0)."""
   groups = _groups(name)
-  plan = engine.Plan(build=lambda value: groups, num_clients=num_clients,
-                     participation=participation, fault_fraction=0.0, local_epochs=1,
-                     batch_size=2, strategy="vmap")
-  return engine.round_inputs(plan, groups, engine.Carry(carry[0], (carry[1],)), (fed,),
-                              jnp.int32(0), jnp.int32(t))
+  return engine.round_inputs(_plan(groups, participation, num_clients), groups,
+                             engine.Carry(carry[0], (carry[1],)), (fed,),
+                             jnp.int32(0), jnp.int32(t))
 
 
 def _server_step(name, trained, mask):

@@ -160,7 +160,7 @@ def test_non_finite_upload_equals_absence_and_an_empty_round_keeps_the_state(set
     took_part = jnp.asarray(np.isin(everyone, took_part))
     inputs = engine.RoundInputs(None, (None,), took_part, jnp.zeros_like(took_part), KEY)
     result = train.ClientResult(rows, opt_rows, jnp.ones(CONFIG.clients))
-    step = jax.jit(lambda *args: engine.round_outputs(groups, *args))
+    step = jax.jit(lambda *args: engine.round_outputs(plan, groups, *args))
     carry = engine.Carry(state, (opt_state,))
     (new, (opts,)), metrics = step(carry, inputs, (result,))
     return new, opts, np.asarray(metrics.took_part), np.asarray(metrics.healthy)

@@ -1,10 +1,12 @@
 """The one simulation engine: a round of S runs of one algorithm as a few programs.
 
 A run is an algorithm (`pflax.algorithms`, in its engine form `Groups`), a
-seed and a federation. One round of one run is pure:
+seed and a federation. One round of one run is one pure function,
+`round_step`, read top to bottom:
 
 1. participants and faulty clients from the round's keys (`keys`: the key
-   schedule; `faults`: faulty clients and the health rule);
+   schedule; `faults`: faulty clients and the health rule), and each training
+   client's inputs (`round_inputs`);
 2. each architecture group's participants train from their client models
    (`pflax.train`), each client with its key (`keys.group_training_keys`);
 3. the faulty clients' uploads are corrupted (`fault_kind`: NaN, their
@@ -13,24 +15,26 @@ seed and a federation. One round of one run is pure:
    values or an update norm far above the round's median
    (`faults.healthy_clients`) are given back their starting model and previous
    optimizer state; the server step (`server_step`) aggregates; a round without
-   any healthy client keeps the state (`faults.keep_if_nobody`).
+   any healthy client keeps the state (`faults.keep_if_nobody`)
+   (`round_outputs`).
 
-A Flower federation (`pflax._src.simulation.protocol`) and the differentiable
-run (`pflax._src.simulation.tune`) run the same round with these functions: the
-initial state (`initial_state`, `initial_carry`), the key schedule (`keys`), a
-client's local training (`client_trainer`), one run's round (`round_inputs`,
-`round_outputs`) and the server steps (`server_step`, `warmup_step`), for every
-architecture group.
+An algorithm's warm-up is `warmup_round`, the same three steps. The
+differentiable run (`pflax._src.simulation.tune`) calls `round_step` itself. A
+Flower federation (`pflax._src.simulation.protocol`) runs the same round in
+pieces, on other machines, with these functions: the initial state
+(`initial_state`), the key schedule (`keys`), a client's local training
+(`client_trainer`) and the server steps (`server_step`, `warmup_step`), for
+every architecture group.
 
 Several runs (seeds, values of a swept hyperparameter) are that round mapped
-over a leading run axis: with the client mapping "vmap" or "map" a round of all
-runs is one program; with "loop" (the default on CPU, where vmapped clients
-train slower than a loop) the clients of all runs are one client axis of the
-threaded loop, between a run-vmapped program that gathers their inputs and one
-that aggregates. A single run is a sweep of one. Every compiled program takes
-the data as arguments, so runs of other seeds reuse it.
+over a leading run axis (`_phase`): with the client mapping "vmap" or "map" a
+round of all runs is `round_step` vmapped over runs, one program; with "loop"
+(the default on CPU, where vmapped clients train slower than a loop) the
+clients of all runs are one client axis of the threaded loop, between
+`round_step`'s first step of all runs, one program, and its last step, another.
+A single run is a sweep of one. Every compiled program takes the data as
+arguments, so runs of other seeds reuse it.
 """
-
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -359,12 +363,13 @@ def _with_faults(groups: groups_lib.Groups, starts: PerGroup, uploads: PerGroup,
   return uploads
 
 
-def round_outputs(groups: groups_lib.Groups, carry: Carry, inputs: RoundInputs,
-                  results: tuple[train_lib.ClientResult, ...], *,
-                  outlier_factor: float | None = faults_lib.OUTLIER_FACTOR,
-                  fault_kind: str = "nan", fault_scale: float = 1.0
+def round_outputs(plan: Plan, groups: groups_lib.Groups, carry: Carry,
+                  inputs: RoundInputs, results: tuple[train_lib.ClientResult, ...]
                   ) -> tuple[Carry, RoundMetrics]:
   """The server step of one run after local training: new carry and metrics.
+
+  The faulty clients' uploads are corrupted (`plan.fault_kind`), and the
+  `server_step` applies the health rule (`plan.outlier_factor`).
 
   A client dropped by the `server_step` is given back its previous optimizer
   state too, so that no stored state, whatever the algorithm keeps, can become
@@ -373,10 +378,10 @@ def round_outputs(groups: groups_lib.Groups, carry: Carry, inputs: RoundInputs,
   starts, trained, opt_after, losses = _trained(groups, carry, inputs, results)
   trained = _with_faults(groups, starts, trained, inputs.faulty, inputs.took_part,
                          jax.random.fold_in(inputs.server_key, faults_lib.FAULT_STREAM),
-                         fault_kind, fault_scale)
+                         plan.fault_kind, plan.scale)
   state, healthy = server_step(groups, carry.state, starts, trained,
                                inputs.took_part & faults_lib.plausible_losses(losses),
-                               inputs.server_key, outlier_factor)
+                               inputs.server_key, plan.outlier_factor)
   opts = tuple(weights_lib.keep_masked(after, before, mask) for after, before, mask in
                zip(opt_after, carry.opt_states, _group_masks(groups, healthy)))
   losses = jnp.where(inputs.took_part, losses, 0.0)
@@ -384,10 +389,10 @@ def round_outputs(groups: groups_lib.Groups, carry: Carry, inputs: RoundInputs,
                                           inputs.faulty)
 
 
-def _warmup_inputs(groups: groups_lib.Groups, carry: Carry,
+def _warmup_inputs(plan: Plan, groups: groups_lib.Groups, carry: Carry,
                    feds: tuple[federation_lib.Federation, ...], seed: chex.Array
                    ) -> RoundInputs:
-  """The warm-up: every client trains, with its warm-up key."""
+  """The warm-up's inputs: every client trains, with its warm-up key."""
   keys = functools.partial(keys_lib.warmup_training_keys, seed)
   clients = tuple(
       _client_inputs(start, opt, context, fed, None, keys)
@@ -399,13 +404,69 @@ def _warmup_inputs(groups: groups_lib.Groups, carry: Carry,
                      keys_lib.run_keys(seed)[1])
 
 
-def _warmup_outputs(groups: groups_lib.Groups, carry: Carry, inputs: RoundInputs,
-                    results: tuple[train_lib.ClientResult, ...], *,
-                    outlier_factor: float | None = faults_lib.OUTLIER_FACTOR) -> Carry:
+def _warmup_outputs(plan: Plan, groups: groups_lib.Groups, carry: Carry,
+                    inputs: RoundInputs, results: tuple[train_lib.ClientResult, ...]
+                    ) -> Carry:
   """The algorithm's `warmup_step`; optimizer states kept."""
   starts, trained, _, _ = _trained(groups, carry, inputs, results)
-  return Carry(warmup_step(groups, carry.state, starts, trained, outlier_factor),
+  return Carry(warmup_step(groups, carry.state, starts, trained, plan.outlier_factor),
                carry.opt_states)
+
+
+Train = Callable[[tuple[ClientInputs, ...]], tuple[train_lib.ClientResult, ...]]
+"""Local training of a round: per group, its training clients' results from
+their `ClientInputs` (stacked, in the order given)."""
+
+
+def round_step(plan: Plan, groups: groups_lib.Groups, carry: Carry,
+               feds: tuple[federation_lib.Federation, ...], seed: chex.Array,
+               t: chex.Array, train: Train) -> tuple[Carry, RoundMetrics]:
+  """One round of one run, top to bottom: the round every pflax run takes.
+
+  1. The round's participants and faulty clients, drawn from the run's keys,
+     and each training client's inputs: starting model, stored optimizer
+     state, loss context, data and training key (`round_inputs`).
+  2. Local training: `train(clients)`.
+  3. The faulty clients' uploads corrupted, the health rule, the server step,
+     the dropped clients' optimizer states kept, and the round's metrics
+     (`round_outputs`).
+
+  `pflax.simulate` maps it over runs: with the client mapping "vmap" or "map"
+  a round of all runs is this function vmapped over runs, `train` mapping the
+  clients in the same program (`_phase`); with "loop" its step 1 and step 3
+  are two programs over all runs, around the threaded loop over clients.
+  `pflax.tune` differentiates it (`train` with each local step checkpointed). A
+  Flower server takes steps 1 and 3 itself (`pflax._src.simulation.protocol`:
+  the same participants, training keys and `server_step`) and its clients train.
+
+  Args:
+    plan: the sweep's static structure (participation, faults, health rule).
+    groups: the algorithm, built with the run's hyperparameter values.
+    carry: the run's state and stored optimizer states before the round.
+    feds: per group, its clients' data (`Groups.split`).
+    seed: the run's seed.
+    t: the round, from 0.
+    train: local training of every group's training clients.
+  """
+  inputs = round_inputs(plan, groups, carry, feds, seed, t)
+  results = train(inputs.clients)
+  return round_outputs(plan, groups, carry, inputs, results)
+
+
+def warmup_round(plan: Plan, groups: groups_lib.Groups, carry: Carry,
+                 feds: tuple[federation_lib.Federation, ...], seed: chex.Array,
+                 train: Train) -> Carry:
+  """The algorithm's warm-up (`Algorithm.warmup`) of one run, as `round_step`:
+  every client trains from its warm-up key, then `warmup_step`."""
+  inputs = _warmup_inputs(plan, groups, carry, feds, seed)
+  results = train(inputs.clients)
+  return _warmup_outputs(plan, groups, carry, inputs, results)
+
+
+_FIRST_AND_LAST = {round_step: (round_inputs, round_outputs),
+                   warmup_round: (_warmup_inputs, _warmup_outputs)}
+"""The first and last steps of `round_step` and `warmup_round`, for the "loop"
+mapping, which runs them as its two programs around the threaded loop."""
 
 
 def cast_floating(tree: types.Tree, dtype: chex.ArrayDType | None) -> types.Tree:
@@ -503,34 +564,36 @@ def _client_trainer(plan: Plan, epochs: int, g: int
   return train_one
 
 
-def _phase(plan: Plan, epochs: int, num_groups: int, pre: Callable[..., RoundInputs],
-           post: Callable[..., Carry | tuple[Carry, RoundMetrics]]
+def _phase(plan: Plan, epochs: int, num_groups: int,
+           step: Callable[..., Carry | tuple[Carry, RoundMetrics]]
            ) -> Callable[..., Carry | tuple[Carry, RoundMetrics]]:
-  """A local-training phase of all runs: `pre`, the clients' training, `post`.
+  """`step` (`round_step` or `warmup_round`) of all runs, their clients mapped.
 
-  `pre(groups, carry, feds, seed, *args)` and `post(groups, carry, inputs,
-  results)` are per run. Returns `phase(values, carry, feds, seeds, *args)`
-  over a leading run axis (`args` shared by the runs): one jitted program for
-  "vmap" and "map"; for "loop" the clients of all runs trained by the threaded
-  loop between two jitted programs.
+  `step(plan, groups, carry, feds, seed, *args, train)` is one run's. Returns
+  `phase(values, carry, feds, seeds, *args)` over a leading run axis (`args`
+  shared by the runs): for "vmap" and "map" `step` vmapped over runs, one
+  jitted program; for "loop" the clients of all runs trained by the threaded
+  loop between two jitted programs, `step`'s first and last steps
+  (`_FIRST_AND_LAST`) of all runs.
   """
   trainers = [_client_trainer(plan, epochs, g) for g in range(num_groups)]
   per_run = lambda fn, extra: jax.vmap(fn, (0, 0, 0, 0) + (None,) * len(extra))
 
   if plan.strategy != "loop":
     def whole(value, carry, feds, seed, *args):
-      groups = plan.build(value)
-      inputs = pre(groups, carry, feds, seed, *args)
-      results = tuple(mapping.map_clients(functools.partial(train, value),
-                                          plan.strategy)(*clients)
-                      for train, clients in zip(trainers, inputs.clients))
-      return post(groups, carry, inputs, results)
+      def train(clients):
+        return tuple(mapping.map_clients(functools.partial(trainer, value),
+                                         plan.strategy)(*c)
+                     for trainer, c in zip(trainers, clients))
+      return step(plan, plan.build(value), carry, feds, seed, *args, train=train)
     return jax.jit(lambda values, carry, feds, seeds, *args: per_run(whole, args)(
         values, carry, feds, seeds, *args))
 
+  pre, post = _FIRST_AND_LAST[step]
+
   @jax.jit
   def before(values, carry, feds, seeds, *args):
-    inputs = per_run(lambda value, *a: pre(plan.build(value), *a), args)(
+    inputs = per_run(lambda value, *a: pre(plan, plan.build(value), *a), args)(
         values, carry, feds, seeds, *args)
     clients = tuple(_merge_runs(c) for c in inputs.clients)
     client_values = tuple(jnp.repeat(values, c.x.shape[1]) for c in inputs.clients)
@@ -539,7 +602,7 @@ def _phase(plan: Plan, epochs: int, num_groups: int, pre: Callable[..., RoundInp
   @jax.jit
   def after(values, carry, inputs, results):
     results = tuple(_split_runs(r, values.shape[0]) for r in results)
-    return jax.vmap(lambda value, *a: post(plan.build(value), *a))(
+    return jax.vmap(lambda value, *a: post(plan, plan.build(value), *a))(
         values, carry, inputs, results)
 
   loops = [mapping.map_clients(train, "loop") for train in trainers]
@@ -628,18 +691,13 @@ def build_programs(plan: Plan) -> Programs:
 
   starting = jax.jit(jax.vmap(initial))
   warmup = groups.algorithm.warmup
-  warm = (_phase(plan, warmup.epochs, num_groups, _warmup_inputs,
-                 functools.partial(_warmup_outputs, outlier_factor=plan.outlier_factor))
-          if warmup else None)
+  warm = _phase(plan, warmup.epochs, num_groups, warmup_round) if warmup else None
 
   def init(values, feds, class_counts, seeds):
     carry = starting(values, feds, class_counts, seeds)
     return carry if warm is None else warm(values, carry, feds, seeds)
 
-  round_ = _phase(plan, plan.local_epochs, num_groups,
-                  functools.partial(round_inputs, plan),
-                  functools.partial(round_outputs, outlier_factor=plan.outlier_factor,
-                                    fault_kind=plan.fault_kind, fault_scale=plan.scale))
+  round_ = _phase(plan, plan.local_epochs, num_groups, round_step)
   return Programs(initial=starting, init=init, round=round_,
                   evaluate=jax.jit(jax.vmap(_evaluator(plan, groups))))
 

@@ -406,13 +406,12 @@ def _run(task: Task, values: Mapping[str, chex.Array], federation: Any,
   if start is None:
     start = _start(task, groups, federation, seed)
 
+  def train(clients):
+    return tuple(trainer(*c) for trainer, c in zip(trainers, clients))
+
   @jax.checkpoint
   def one_round(carry, t):
-    inputs = engine.round_inputs(plan, groups, carry, feds, seed, t)
-    results = tuple(train(*clients) for train, clients in zip(trainers, inputs.clients))
-    carry, metrics = engine.round_outputs(
-        groups, carry, inputs, results, outlier_factor=plan.outlier_factor,
-        fault_kind=plan.fault_kind, fault_scale=plan.scale)
+    carry, metrics = engine.round_step(plan, groups, carry, feds, seed, t, train)
     return carry, metrics.losses
 
   ts = first_round + jnp.arange(rounds, dtype=jnp.int32)
