@@ -304,6 +304,8 @@ def test_fedprox_sends_its_anchor_once():
     (["--resume"], "--resume is for simulations"),
     (["--flower-timeout", "0"], r"--flower-timeout must be in \(0, 86400"),
     (["--faulty-clients", "0.1"], "--flower: --faulty-clients"),
+    (["--algorithms", "fedavg", "--dp-clip", "1", "--dp-noise-multiplier", "1"],
+     "^pflax-run: --flower: --dp-clip: client-level DP runs in simulations only"),
 ])
 def test_pflax_run_flower_refuses_what_a_federation_does_not_run(flags, match,
                                                                   tmp_path):

@@ -115,6 +115,10 @@ class Experiment:
     if self.config.faulty_clients:
       raise ValueError("faulty_clients is a simulation of faults: 0 in a federation, "
                        f"got {self.config.faulty_clients}.")
+    if self.config.dp_clip is not None:
+      raise ValueError("dp_clip: client-level DP runs in simulations only; a Flower "
+                       "server samples a fixed number of clients a round, not Poisson "
+                       "at rate q as the accountant assumes (docs/privacy.md).")
 
   def check_travels(self) -> None:
     """Raises ValueError where the model or parts are objects, which a deployed
