@@ -187,13 +187,6 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def _listening(port: int) -> bool:
-  """Whether something listens on `LOOPBACK:port` of this process's network."""
-  with contextlib.suppress(OSError), socket.create_connection((LOOPBACK, port), 0.5):
-    return True
-  return False
-
-
 class PrivateNetwork:
   """A user and network namespace of its own, held by a process (`flower_guard.py
   hold`) that ends when this process closes its pipe or dies.
@@ -237,8 +230,7 @@ def private_network(env: Mapping[str, str]) -> PrivateNetwork | None:
 
 
 def _wait_for_port(port: int, process: subprocess.Popen, log: str,
-                   timeout: float, listening: Callable[[int], bool] = _listening
-                   ) -> None:
+                   timeout: float, listening: Callable[[int], bool]) -> None:
   deadline = time.monotonic() + timeout
   while time.monotonic() < deadline:
     if process.poll() is not None:
@@ -410,7 +402,8 @@ class LocalFederation:
     return [*(self.network.enter if self.network else []), *command]
 
   def _listening(self, port: int) -> bool:
-    return self.network.listening(port) if self.network else _listening(port)
+    return (self.network.listening(port) if self.network
+            else flower_guard.listening(port))
 
   def _open_network(self) -> None:
     """Makes the `PrivateNetwork` as `isolate` asks (before any process)."""

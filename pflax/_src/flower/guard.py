@@ -93,7 +93,8 @@ def _loopback_up() -> None:
     fcntl.ioctl(s, _SIOCSIFFLAGS, struct.pack(_IFREQ, b"lo", flags | _IFF_UP))
 
 
-def _listening(port: int) -> bool:
+def listening(port: int) -> bool:
+  """Whether something listens on 127.0.0.1:`port` of this process's network."""
   with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
     return True
   return False
@@ -103,7 +104,7 @@ def _hold() -> None:
   _loopback_up()
   print("ready", flush=True)
   for line in sys.stdin:
-    print("1" if _listening(int(line)) else "0", flush=True)
+    print("1" if listening(int(line)) else "0", flush=True)
 
 
 if __name__ == "__main__":
