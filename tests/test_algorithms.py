@@ -657,8 +657,9 @@ def test_fedrema_stores_participants_momentum_and_keeps_the_others():
   inputs = engine.RoundInputs(None, (chosen,), jnp.asarray(np.arange(M) != ABSENT),
                           jnp.zeros(M, bool), KEY)
   groups = groups_lib.as_groups(algorithm, MODEL, M)
-  _, _, (opt_state,), losses = engine._trained(groups, engine.Carry(state, (previous,)),
-                                               inputs, (result,))
+  (opt_state,) = engine._stored_opt_states(groups, (previous,), inputs.chosen, (result,))
+  _, losses = engine._placed(groups, groups.algorithm.client_models(state), inputs.chosen,
+                             (result.params,), (result.loss,))
   for a, b in zip(jax.tree.leaves(opt_state), jax.tree.leaves(previous)):
     np.testing.assert_array_equal(a[ABSENT], b[ABSENT])
     np.testing.assert_array_equal(a[np.asarray(chosen)], 7)

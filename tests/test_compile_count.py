@@ -17,13 +17,17 @@ from pflax._src.simulation import engine
 
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
-# The "loop" strategy's programs of one algorithm without warm-up: the initial
-# state, the round's inputs, the clients' zero outputs, one client's training,
-# the in-place write of a client's result, the server step and the evaluation;
-# and the two programs that make the run's seed into keys.
-_FIRST_ALGORITHM = 9
-# A second algorithm whose clients' results have the same shapes shares the
-# zero outputs and the in-place write (before issue 30: 7 programs).
+# The "loop" strategy's programs of one algorithm without warm-up: the runs'
+# initial models, the algorithm's initial state from them, the round's draws
+# (participants and keys), the round's inputs, the clients' zero outputs, one
+# client's training, the in-place write of a client's result, the uploads'
+# checks (faults and health rule), the server step and the evaluation; and the
+# two programs that make the run's seed into keys.
+_FIRST_ALGORITHM = 12
+# A second algorithm whose clients' models have the same shapes shares the
+# initial models, the draws, the zero outputs, the in-place write and the
+# checks: its own programs are the initial state, the round's inputs, one
+# client's training, the server step and the evaluation (before issue 30: 7).
 _NEXT_ALGORITHM = 5
 
 

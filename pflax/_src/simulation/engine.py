@@ -31,9 +31,16 @@ over a leading run axis (`_phase`): with the client mapping "vmap" or "map" a
 round of all runs is `round_step` vmapped over runs, one program; with "loop"
 (the default on CPU, where vmapped clients train slower than a loop) the
 clients of all runs are one client axis of the threaded loop, between
-`round_step`'s first step of all runs, one program, and its last step, another.
-A single run is a sweep of one. Every compiled program takes the data as
-arguments, so runs of other seeds reuse it.
+`round_step`'s first step of all runs and its last step, each two programs:
+the runs' draws (participants, faulty clients and keys: `round_draws`) and the
+clients' inputs (`inputs_from_draws`); the uploads' checks (faults and health
+rule: `checked_uploads`) and the server's update. The draws, the checks and
+the initial models (`initial_models`) depend on the federation and the
+models' shapes, not on the algorithm: their programs are shared by every
+algorithm of a federation (`shared_draws`, `shared_checks`,
+`shared_initial_models`), which compiles them once. A single run is a sweep
+of one. Every compiled program takes the data as arguments, so runs of other
+seeds reuse it.
 """
 import dataclasses
 import functools
@@ -41,6 +48,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import chex
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -196,17 +204,12 @@ def _group_chosen(took_part: chex.Array, index: np.ndarray, count: int,
 
 def _client_inputs(start: types.Stacked, opt_state: optax.OptState,
                    context: types.Stacked | None, fed: federation_lib.Federation,
-                   chosen: chex.Array | None,
-                   keys: Callable[[chex.Array], chex.Array]) -> ClientInputs:
-  """The training clients' starting models, stored optimizer states, data and keys.
-
-  `keys(ids)` are the training keys of the clients at positions `ids` of the
-  group (`keys.group_training_keys`, `keys.warmup_training_keys`).
-  """
+                   chosen: chex.Array | None, keys: chex.Array) -> ClientInputs:
+  """The training clients' starting models, stored optimizer states, data and
+  training keys (`keys`, one per training client)."""
   x, y, mask = _take(chosen, (fed.x, fed.y, fed.mask))
-  ids = jnp.arange(fed.x.shape[0]) if chosen is None else chosen
   return ClientInputs(_take(chosen, start), _take(chosen, opt_state),
-                      _take(chosen, context), x, y, mask, keys(ids))
+                      _take(chosen, context), x, y, mask, keys)
 
 
 def in_client_order(groups: groups_lib.Groups,
@@ -225,59 +228,154 @@ def _group_masks(groups: groups_lib.Groups, mask: chex.Array) -> tuple[chex.Arra
   return tuple(mask[index] for index in groups.clients)
 
 
-def round_inputs(plan: Plan, groups: groups_lib.Groups, carry: Carry,
-                 feds: tuple[federation_lib.Federation, ...], seed: chex.Array,
-                 t: chex.Array) -> RoundInputs:
-  """Round `t`'s participants, faulty clients and training inputs, for one run."""
+class Draws(NamedTuple):
+  """A round's random choices (`round_draws`, `warmup_draws`): functions of the
+  run's seed, the round and the federation's `Schedule` only, so every
+  algorithm of a federation draws the same ones.
+
+  Attributes:
+    took_part: bool `(M,)`, the participants.
+    faulty: bool `(M,)`, the participants whose upload is corrupted.
+    chosen: per group, the positions of its training clients (None: all).
+    keys: per group, the training keys of those clients.
+    server_key: the round's server key.
+  """
+  took_part: chex.Array
+  faulty: chex.Array
+  chosen: tuple[chex.Array | None, ...]
+  keys: tuple[chex.Array, ...]
+  server_key: chex.PRNGKey
+
+
+class Layout(NamedTuple):
+  """M clients in round robin over architecture groups, as `Groups` places them
+  (`Groups.clients`), without the algorithm: hashable.
+
+  Attributes:
+    num_clients: M, all groups' clients.
+    num_groups: the architecture groups.
+  """
+  num_clients: int
+  num_groups: int
+
+  @property
+  def clients(self) -> tuple[np.ndarray, ...]:
+    """Each group's client indices (`Groups.clients`)."""
+    return alg.round_robin(self.num_clients, self.num_groups)
+
+
+class Schedule(NamedTuple):
+  """What a run's draws depend on besides its seed and the round (hashable).
+
+  Attributes:
+    num_clients: the real clients (`Plan.num_clients`).
+    padded: all clients of the federation, padding included (`Groups.num_clients`).
+    num_groups: the architecture groups (clients in round robin, `Groups.clients`).
+    participation, fault_fraction, fault_kind, poisson: as in `Plan`.
+  """
+  num_clients: int
+  padded: int
+  num_groups: int
+  participation: float
+  fault_fraction: float
+  fault_kind: str
+  poisson: bool
+
+  @property
+  def clients(self) -> tuple[np.ndarray, ...]:
+    """Each group's client indices (`Groups.clients`)."""
+    return alg.round_robin(self.padded, self.num_groups)
+
+
+def schedule(plan: "Plan", groups: groups_lib.Groups) -> Schedule:
+  """The `Schedule` of a plan's runs of `groups`."""
+  return Schedule(plan.num_clients, groups.num_clients, len(groups.models),
+                  plan.participation, plan.fault_fraction, plan.fault_kind, plan.poisson)
+
+
+def round_draws(schedule: Schedule, seed: chex.Array, t: chex.Array) -> Draws:
+  """Round `t`'s participants, faulty clients and training keys, for one run."""
   sample_key, train_key, server_key = keys_lib.round_keys(keys_lib.run_keys(seed)[2], t)
-  m = sum(f.x.shape[0] for f in feds)
-  if plan.poisson:
-    chosen = jnp.arange(plan.num_clients)
-    took_part = jnp.zeros(m, bool).at[:plan.num_clients].set(privacy_lib.poisson_sample(
-        jax.random.fold_in(sample_key, 0), plan.num_clients, plan.participation))
+  m = schedule.padded
+  if schedule.poisson:
+    chosen = jnp.arange(schedule.num_clients)
+    took_part = jnp.zeros(m, bool).at[:schedule.num_clients].set(
+        privacy_lib.poisson_sample(jax.random.fold_in(sample_key, 0),
+                                   schedule.num_clients, schedule.participation))
   else:
-    chosen = keys_lib.round_participants(sample_key, plan.num_clients,
-                                         plan.participation)
+    chosen = keys_lib.round_participants(sample_key, schedule.num_clients,
+                                         schedule.participation)
     took_part = jnp.zeros(m, bool).at[chosen].set(True)
-  count = faults_lib.num_faulty(plan.fault_fraction, chosen.shape[0])
-  if plan.fault_kind == "inflated_counts":
-    faulty = took_part & faults_lib.lying_clients(seed, plan.num_clients, m,
-                                                  plan.fault_fraction)
+  count = faults_lib.num_faulty(schedule.fault_fraction, chosen.shape[0])
+  if schedule.fault_kind == "inflated_counts":
+    faulty = took_part & faults_lib.lying_clients(seed, schedule.num_clients, m,
+                                                  schedule.fault_fraction)
   elif count:
     faulty = faults_lib.faulty_clients(
         jax.random.fold_in(sample_key, faults_lib.FAULT_STREAM), took_part, count)
   else:
     faulty = jnp.zeros_like(took_part)
-  everyone = chosen.shape[0] == plan.num_clients
+  everyone = chosen.shape[0] == schedule.num_clients
   group_chosen = tuple(_group_chosen(took_part, index, chosen.shape[0], everyone)
-                       for index in groups.clients)
-  starts = groups.algorithm.client_models(carry.state)
-  contexts = groups.algorithm.client_context(carry.state)
+                       for index in schedule.clients)
+  keys = tuple(keys_lib.group_training_keys(
+      train_key, g, jnp.arange(len(index)) if picked is None else picked)
+               for g, (index, picked) in enumerate(zip(schedule.clients, group_chosen)))
+  return Draws(took_part, faulty, group_chosen, keys, server_key)
+
+
+def warmup_draws(schedule: Schedule, seed: chex.Array) -> Draws:
+  """The warm-up's draws: every client trains, with its warm-up key."""
+  everyone = jnp.ones(schedule.padded, bool)
+  keys = tuple(keys_lib.warmup_training_keys(seed, jnp.arange(len(index)))
+               for index in schedule.clients)
+  return Draws(everyone, ~everyone, (None,) * schedule.num_groups, keys,
+               keys_lib.run_keys(seed)[1])
+
+
+def inputs_from_draws(groups: groups_lib.Groups, carry: Carry,
+                      feds: tuple[federation_lib.Federation, ...], draws: Draws
+                      ) -> RoundInputs:
+  """A round's training inputs, per group, from its `Draws`."""
   clients = tuple(
-      _client_inputs(start, opt, context, fed, picked,
-                     functools.partial(keys_lib.group_training_keys, train_key, g))
-      for g, (start, opt, context, fed, picked) in enumerate(zip(
-          starts, carry.opt_states, contexts, feds, group_chosen)))
-  return RoundInputs(clients, group_chosen, took_part, faulty, server_key)
+      _client_inputs(start, opt, context, fed, picked, keys)
+      for start, opt, context, fed, picked, keys in zip(
+          groups.algorithm.client_models(carry.state), carry.opt_states,
+          groups.algorithm.client_context(carry.state), feds, draws.chosen, draws.keys))
+  return RoundInputs(clients, draws.chosen, draws.took_part, draws.faulty,
+                     draws.server_key)
 
 
-def _trained(groups: groups_lib.Groups, carry: Carry, inputs: RoundInputs,
-             results: tuple[train_lib.ClientResult, ...]
-             ) -> tuple[PerGroup, PerGroup, tuple[optax.OptState, ...], chex.Array]:
-  """Results put back at their clients: `(starts, trained, opt_states, losses)`.
+def round_inputs(plan: Plan, groups: groups_lib.Groups, carry: Carry,
+                 feds: tuple[federation_lib.Federation, ...], seed: chex.Array,
+                 t: chex.Array) -> RoundInputs:
+  """Round `t`'s participants, faulty clients and training inputs, for one run."""
+  return inputs_from_draws(groups, carry, feds,
+                           round_draws(schedule(plan, groups), seed, t))
 
-  Clients that did not train keep their starting models, optimizer states and
-  a loss of 0.
-  """
-  starts = groups.algorithm.client_models(carry.state)
-  trained, opts, losses = [], [], []
-  for member, start, opt, chosen, result in zip(groups.members, starts, carry.opt_states,
-                                                inputs.chosen, results):
-    trained.append(_put(chosen, start, result.params))
-    opts.append(_put(chosen, opt, result.opt_state) if member.keep_opt_state else opt)
-    m_g = tree_lib.num_clients(start)
-    losses.append(_put(chosen, jnp.zeros(m_g), result.loss))
-  return starts, tuple(trained), tuple(opts), in_client_order(groups, tuple(losses))
+
+def _placed(groups: "groups_lib.Groups | Layout", starts: PerGroup,
+            chosen: tuple[chex.Array | None, ...], params: PerGroup,
+            losses: tuple[chex.Array, ...]) -> tuple[PerGroup, chex.Array]:
+  """The training clients' models and mean losses put back at their rows:
+  `(trained, losses)`, per group `(m_g, ...)` models (the others' starts) and
+  `(M,)` losses in client order (0 for the others)."""
+  trained = tuple(_put(c, start, p) for start, c, p in zip(starts, chosen, params))
+  zeros = lambda start: jnp.zeros(tree_lib.num_clients(start))
+  return trained, in_client_order(groups, tuple(
+      _put(c, zeros(start), loss) for start, c, loss in zip(starts, chosen, losses)))
+
+
+def _stored_opt_states(groups: groups_lib.Groups, opt_states: tuple[optax.OptState, ...],
+                       chosen: tuple[chex.Array | None, ...],
+                       results: tuple[train_lib.ClientResult, ...]
+                       ) -> tuple[optax.OptState, ...]:
+  """Each group's optimizer states after training: the training clients' new
+  ones where the group's algorithm keeps them (`keep_opt_state`), else, and
+  for the other clients, `opt_states`."""
+  return tuple(_put(c, opt, result.opt_state) if member.keep_opt_state else opt
+               for member, opt, c, result in zip(groups.members, opt_states, chosen,
+                                                 results))
 
 
 def _health(groups: groups_lib.Groups, took_part: chex.Array, starts: PerGroup,
@@ -363,54 +461,141 @@ def _with_faults(groups: groups_lib.Groups, starts: PerGroup, uploads: PerGroup,
   return uploads
 
 
+class UploadRule(NamedTuple):
+  """What the checks of a round's uploads depend on (`checked_uploads`): the
+  clients' layout, the fault injection and the health rule. Hashable.
+
+  Attributes:
+    layout: the clients' architecture groups.
+    fault_kind, fault_scale: what faulty clients do (`Plan.fault_kind`, `Plan.scale`).
+    outlier_factor: the health rule's factor (`faults.update_outliers`); None disables.
+    warmup: the warm-up's checks (every client takes part; no fault is
+      injected, no loss checked).
+  """
+  layout: Layout
+  fault_kind: str
+  fault_scale: float
+  outlier_factor: float | None
+  warmup: bool = False
+
+
+def upload_rule(plan: Plan, groups: groups_lib.Groups, warmup: bool = False
+                ) -> UploadRule:
+  """The `UploadRule` of a plan's runs of `groups` (of its warm-up with `warmup`)."""
+  return UploadRule(Layout(groups.num_clients, len(groups.models)), plan.fault_kind,
+                    plan.scale, plan.outlier_factor, warmup)
+
+
+class Checked(NamedTuple):
+  """A round's uploads after their checks (`checked_uploads`).
+
+  Attributes:
+    uploads: per group, the `(m_g, ...)` uploads, an unhealthy client's
+      replaced by its start.
+    healthy: bool `(M,)`, the clients the server aggregates.
+    losses: `(M,)` mean local losses (0 for clients that did not train).
+  """
+  uploads: PerGroup
+  healthy: chex.Array
+  losses: chex.Array
+
+
+def checked_uploads(rule: UploadRule, starts: PerGroup,
+                    chosen: tuple[chex.Array | None, ...], params: PerGroup,
+                    losses: tuple[chex.Array, ...], took_part: chex.Array,
+                    faulty: chex.Array, server_key: chex.PRNGKey) -> Checked:
+  """The trained models put back at their clients, the faulty clients' uploads
+  corrupted (`rule.fault_kind`) and the health rule (`faults.healthy_clients`,
+  with a participant's implausible loss counting as unhealthy).
+
+  Args:
+    rule: the checks' static structure.
+    starts: per group, the clients' `(m_g, ...)` models at the round's start.
+    chosen: per group, the positions of its training clients (None: all).
+    params, losses: per group, the training clients' trained models and mean losses.
+    took_part, faulty: bool `(M,)`, the participants and the faulty ones.
+    server_key: the round's server key.
+  """
+  trained, client_losses = _placed(rule.layout, starts, chosen, params, losses)
+  if rule.warmup:
+    healthy, kept = _healthy_uploads(rule.layout, took_part, starts, trained,
+                                     rule.outlier_factor)
+    return Checked(kept, healthy, client_losses)
+  trained = _with_faults(rule.layout, starts, trained, faulty, took_part,
+                         jax.random.fold_in(server_key, faults_lib.FAULT_STREAM),
+                         rule.fault_kind, rule.fault_scale)
+  healthy, kept = _healthy_uploads(rule.layout,
+                                   took_part & faults_lib.plausible_losses(client_losses),
+                                   starts, trained, rule.outlier_factor)
+  return Checked(kept, healthy, client_losses)
+
+
+def _check(rule: UploadRule, groups: groups_lib.Groups, carry: Carry,
+           inputs: RoundInputs, results: tuple[train_lib.ClientResult, ...]) -> Checked:
+  """`checked_uploads` of a round's results."""
+  return checked_uploads(rule, groups.algorithm.client_models(carry.state),
+                         inputs.chosen, tuple(r.params for r in results),
+                         tuple(r.loss for r in results), inputs.took_part,
+                         inputs.faulty, inputs.server_key)
+
+
+def _server_outputs(plan: Plan, groups: groups_lib.Groups, carry: Carry,
+                    inputs: RoundInputs, results: tuple[train_lib.ClientResult, ...],
+                    checked: Checked) -> tuple[Carry, RoundMetrics]:
+  """The server update on the checked uploads (kept for a round without any
+  healthy client, `faults.keep_if_nobody`), the stored optimizer states, and
+  the round's metrics."""
+  new = groups.algorithm.server_update(carry.state, checked.uploads, checked.healthy,
+                                       inputs.server_key)
+  state = faults_lib.keep_if_nobody(checked.healthy, new, carry.state)
+  opt_after = _stored_opt_states(groups, carry.opt_states, inputs.chosen, results)
+  opts = tuple(weights_lib.keep_masked(after, before, mask) for after, before, mask in
+               zip(opt_after, carry.opt_states, _group_masks(groups, checked.healthy)))
+  losses = jnp.where(inputs.took_part, checked.losses, 0.0)
+  return Carry(state, opts), RoundMetrics(losses, inputs.took_part, checked.healthy,
+                                          inputs.faulty)
+
+
 def round_outputs(plan: Plan, groups: groups_lib.Groups, carry: Carry,
                   inputs: RoundInputs, results: tuple[train_lib.ClientResult, ...]
                   ) -> tuple[Carry, RoundMetrics]:
   """The server step of one run after local training: new carry and metrics.
 
-  The faulty clients' uploads are corrupted (`plan.fault_kind`), and the
-  `server_step` applies the health rule (`plan.outlier_factor`).
+  The faulty clients' uploads are corrupted (`plan.fault_kind`), the health
+  rule (`plan.outlier_factor`) drops the unhealthy ones (`checked_uploads`)
+  and the algorithm's server update aggregates the rest (as `server_step`).
 
-  A client dropped by the `server_step` is given back its previous optimizer
+  A client dropped by the health rule is given back its previous optimizer
   state too, so that no stored state, whatever the algorithm keeps, can become
   non-finite: it is dropped from this round only.
   """
-  starts, trained, opt_after, losses = _trained(groups, carry, inputs, results)
-  trained = _with_faults(groups, starts, trained, inputs.faulty, inputs.took_part,
-                         jax.random.fold_in(inputs.server_key, faults_lib.FAULT_STREAM),
-                         plan.fault_kind, plan.scale)
-  state, healthy = server_step(groups, carry.state, starts, trained,
-                               inputs.took_part & faults_lib.plausible_losses(losses),
-                               inputs.server_key, plan.outlier_factor)
-  opts = tuple(weights_lib.keep_masked(after, before, mask) for after, before, mask in
-               zip(opt_after, carry.opt_states, _group_masks(groups, healthy)))
-  losses = jnp.where(inputs.took_part, losses, 0.0)
-  return Carry(state, opts), RoundMetrics(losses, inputs.took_part, healthy,
-                                          inputs.faulty)
+  checked = _check(upload_rule(plan, groups), groups, carry, inputs, results)
+  return _server_outputs(plan, groups, carry, inputs, results, checked)
 
 
 def _warmup_inputs(plan: Plan, groups: groups_lib.Groups, carry: Carry,
                    feds: tuple[federation_lib.Federation, ...], seed: chex.Array
                    ) -> RoundInputs:
   """The warm-up's inputs: every client trains, with its warm-up key."""
-  keys = functools.partial(keys_lib.warmup_training_keys, seed)
-  clients = tuple(
-      _client_inputs(start, opt, context, fed, None, keys)
-      for start, opt, context, fed in zip(
-          groups.algorithm.client_models(carry.state), carry.opt_states,
-          groups.algorithm.client_context(carry.state), feds))
-  everyone = jnp.ones(groups.num_clients, bool)
-  return RoundInputs(clients, (None,) * len(feds), everyone, ~everyone,
-                     keys_lib.run_keys(seed)[1])
+  return inputs_from_draws(groups, carry, feds,
+                           warmup_draws(schedule(plan, groups), seed))
+
+
+def _warmup_from_checked(plan: Plan, groups: groups_lib.Groups, carry: Carry,
+                         inputs: RoundInputs, results: tuple[train_lib.ClientResult, ...],
+                         checked: Checked) -> Carry:
+  """The warm-up update (`Algorithm.warmup`) on the checked uploads; optimizer
+  states kept."""
+  return Carry(groups.algorithm.warmup.update(carry.state, checked.uploads,
+                                              checked.healthy), carry.opt_states)
 
 
 def _warmup_outputs(plan: Plan, groups: groups_lib.Groups, carry: Carry,
                     inputs: RoundInputs, results: tuple[train_lib.ClientResult, ...]
                     ) -> Carry:
   """The algorithm's `warmup_step`; optimizer states kept."""
-  starts, trained, _, _ = _trained(groups, carry, inputs, results)
-  return Carry(warmup_step(groups, carry.state, starts, trained, plan.outlier_factor),
-               carry.opt_states)
+  checked = _check(upload_rule(plan, groups, warmup=True), groups, carry, inputs, results)
+  return _warmup_from_checked(plan, groups, carry, inputs, results, checked)
 
 
 Train = Callable[[tuple[ClientInputs, ...]], tuple[train_lib.ClientResult, ...]]
@@ -463,10 +648,51 @@ def warmup_round(plan: Plan, groups: groups_lib.Groups, carry: Carry,
   return _warmup_outputs(plan, groups, carry, inputs, results)
 
 
-_FIRST_AND_LAST = {round_step: (round_inputs, round_outputs),
-                   warmup_round: (_warmup_inputs, _warmup_outputs)}
-"""The first and last steps of `round_step` and `warmup_round`, for the "loop"
-mapping, which runs them as its two programs around the threaded loop."""
+class _LoopSteps(NamedTuple):
+  """`round_step` or `warmup_round` as the "loop" mapping runs it: the runs'
+  draws and checks, each a program shared by the algorithms of a federation
+  (`shared_draws`, `shared_checks`), around the algorithm's two programs
+  (`inputs_from_draws`, and `server` on the checked uploads)."""
+  draw: Callable[..., Draws]
+  warmup: bool
+  server: Callable[..., Carry | tuple[Carry, RoundMetrics]]
+
+
+_LOOP_STEPS = {round_step: _LoopSteps(round_draws, False, _server_outputs),
+               warmup_round: _LoopSteps(warmup_draws, True, _warmup_from_checked)}
+
+
+@functools.lru_cache(maxsize=64)
+def shared_draws(draw: Callable[..., Draws], schedule: Schedule
+                 ) -> Callable[..., Draws]:
+  """`draw(schedule, seed, *args)` of every run, jitted once per schedule.
+
+  Returns `draws(seeds, *args)` over a leading run axis of `seeds` (`args`
+  shared by the runs). Keyed by the `Schedule` alone, the program is compiled
+  once for all algorithms of a federation: the key schedule is most of the
+  first step's compilation on XLA-CPU.
+  """
+  return jax.jit(lambda seeds, *args: jax.vmap(lambda seed: draw(schedule, seed, *args))(
+      seeds))
+
+
+@functools.lru_cache(maxsize=64)
+def shared_checks(rule: UploadRule) -> Callable[..., Checked]:
+  """`checked_uploads(rule, ...)` of every run, jitted once per rule.
+
+  Returns `checks(starts, chosen, params, losses, took_part, faulty,
+  server_key)`, each with a leading run axis except `params` and `losses`,
+  whose runs' clients are one axis (`_merge_runs`). Keyed by the rule alone,
+  the program is compiled once for all algorithms of a federation whose
+  clients' models have the same shapes: the health rule is a large part of the
+  last step's compilation on XLA-CPU.
+  """
+  def checks(starts, chosen, params, losses, took_part, faulty, server_key):
+    runs = took_part.shape[0]
+    params, losses = _split_runs((params, losses), runs)
+    return jax.vmap(functools.partial(checked_uploads, rule))(
+        starts, chosen, params, losses, took_part, faulty, server_key)
+  return jax.jit(checks)
 
 
 def cast_floating(tree: types.Tree, dtype: chex.ArrayDType | None) -> types.Tree:
@@ -477,11 +703,33 @@ def cast_floating(tree: types.Tree, dtype: chex.ArrayDType | None) -> types.Tree
   return jax.tree.map(lambda x: x.astype(dtype) if floating(x) else x, tree)
 
 
+def initial_models(models: tuple[nn.Module, ...], sizes: tuple[int, ...],
+                   sample_input: chex.Array, seed: int | chex.Array,
+                   dtype: chex.ArrayDType | None = None) -> PerGroup:
+  """Each group's `(m_g, ...)` clients' models before round 1: one model of the
+  group's architecture, drawn with the run's init key (`keys.run_keys`).
+
+  Args:
+    models: each group's Flax model (`Groups.models`).
+    sizes: each group's number of clients.
+    sample_input: one input batch `(1, ...)` (only its shape and dtype matter).
+    seed: the run's seed.
+    dtype: None, or the float dtype of the models (`cast_floating`).
+  """
+  key = keys_lib.run_keys(seed)[0]
+  return tuple(cast_floating(models_lib.init_stacked(
+      model, key, sample_input, size, same_init=True), dtype)
+               for model, size in zip(models, sizes))
+
+
+def _sizes(groups: groups_lib.Groups) -> tuple[int, ...]:
+  return tuple(len(index) for index in groups.clients)
+
+
 def initial_state(groups: groups_lib.Groups, sample_input: chex.Array,
                   class_counts: chex.Array, seed: int | chex.Array,
                   dtype: chex.ArrayDType | None = None) -> alg.State:
-  """The algorithm's state before round 1: each group's clients start from one
-  model of the group's architecture, drawn with the run's init key (`keys.run_keys`).
+  """The algorithm's state before round 1, from its `initial_models`.
 
   Args:
     groups: the algorithm.
@@ -490,22 +738,27 @@ def initial_state(groups: groups_lib.Groups, sample_input: chex.Array,
     seed: the run's seed.
     dtype: None, or the float dtype of the initial models (`cast_floating`).
   """
-  key = keys_lib.run_keys(seed)[0]
-  params = tuple(cast_floating(models_lib.init_stacked(
-      model, key, sample_input, len(index), same_init=True), dtype)
-                 for model, index in zip(groups.models, groups.clients))
-  return groups.algorithm.init(params, class_counts, key)
+  params = initial_models(groups.models, _sizes(groups), sample_input, seed, dtype)
+  return groups.algorithm.init(params, class_counts, keys_lib.run_keys(seed)[0])
+
+
+def carry_from_models(groups: groups_lib.Groups, params: PerGroup,
+                      class_counts: chex.Array, seed: int | chex.Array) -> Carry:
+  """One run's initial `Carry` from its `initial_models`: the algorithm's
+  `init` and each client's fresh optimizer state."""
+  state = groups.algorithm.init(params, class_counts, keys_lib.run_keys(seed)[0])
+  opt_states = tuple(train_lib.init_opt_state(member.optimizer, start)
+                     for member, start in zip(groups.members,
+                                              groups.algorithm.client_models(state)))
+  return Carry(state, opt_states)
 
 
 def initial_carry(groups: groups_lib.Groups, sample_input: chex.Array,
                   class_counts: chex.Array, seed: int | chex.Array,
                   dtype: chex.ArrayDType | None = None) -> Carry:
   """One run's `initial_state` and each client's fresh optimizer state."""
-  state = initial_state(groups, sample_input, class_counts, seed, dtype)
-  opt_states = tuple(train_lib.init_opt_state(member.optimizer, start)
-                     for member, start in zip(groups.members,
-                                              groups.algorithm.client_models(state)))
-  return Carry(state, opt_states)
+  params = initial_models(groups.models, _sizes(groups), sample_input, seed, dtype)
+  return carry_from_models(groups, params, class_counts, seed)
 
 
 def start_opt_state(member: alg.Algorithm, params: types.Tree,
@@ -573,8 +826,10 @@ def _phase(plan: Plan, epochs: int, num_groups: int,
   `phase(values, carry, feds, seeds, *args)` over a leading run axis (`args`
   shared by the runs): for "vmap" and "map" `step` vmapped over runs, one
   jitted program; for "loop" the clients of all runs trained by the threaded
-  loop between two jitted programs, `step`'s first and last steps
-  (`_FIRST_AND_LAST`) of all runs.
+  loop between `step`'s first and last steps of all runs (`_LOOP_STEPS`), each
+  as two programs: the runs' draws (`shared_draws`) and their inputs, and the
+  uploads' checks (`shared_checks`) and the server's update. The draws and the
+  checks are shared by the algorithms of a federation: compiled once.
   """
   trainers = [_client_trainer(plan, epochs, g) for g in range(num_groups)]
   per_run = lambda fn, extra: jax.vmap(fn, (0, 0, 0, 0) + (None,) * len(extra))
@@ -589,28 +844,38 @@ def _phase(plan: Plan, epochs: int, num_groups: int,
     return jax.jit(lambda values, carry, feds, seeds, *args: per_run(whole, args)(
         values, carry, feds, seeds, *args))
 
-  pre, post = _FIRST_AND_LAST[step]
+  steps = _LOOP_STEPS[step]
+  groups = plan.build(None)
+  draws_of = shared_draws(steps.draw, schedule(plan, groups))
+  checks = shared_checks(upload_rule(plan, groups, steps.warmup))
 
   @jax.jit
-  def before(values, carry, feds, seeds, *args):
-    inputs = per_run(lambda value, *a: pre(plan, plan.build(value), *a), args)(
-        values, carry, feds, seeds, *args)
+  def before(values, carry, feds, draws):
+    def one_run(value, carry, feds, draws):
+      built = plan.build(value)
+      return (inputs_from_draws(built, carry, feds, draws),
+              built.algorithm.client_models(carry.state))
+    inputs, starts = jax.vmap(one_run)(values, carry, feds, draws)
     clients = tuple(_merge_runs(c) for c in inputs.clients)
     client_values = tuple(jnp.repeat(values, c.x.shape[1]) for c in inputs.clients)
-    return inputs._replace(clients=None), clients, client_values
+    return inputs._replace(clients=None), starts, clients, client_values
 
   @jax.jit
-  def after(values, carry, inputs, results):
+  def after(values, carry, inputs, results, checked):
     results = tuple(_split_runs(r, values.shape[0]) for r in results)
-    return jax.vmap(lambda value, *a: post(plan, plan.build(value), *a))(
-        values, carry, inputs, results)
+    return jax.vmap(lambda value, *a: steps.server(plan, plan.build(value), *a))(
+        values, carry, inputs, results, checked)
 
   loops = [mapping.map_clients(train, "loop") for train in trainers]
 
   def run_phase(values, carry, feds, seeds, *args):
-    inputs, clients, client_values = before(values, carry, feds, seeds, *args)
+    inputs, starts, clients, client_values = before(values, carry, feds,
+                                                    draws_of(seeds, *args))
     results = tuple(loop(v, *c) for loop, v, c in zip(loops, client_values, clients))
-    return after(values, carry, inputs, results)
+    checked = checks(starts, inputs.chosen, tuple(r.params for r in results),
+                     tuple(r.loss for r in results), inputs.took_part, inputs.faulty,
+                     inputs.server_key)
+    return after(values, carry, inputs, results, checked)
   return run_phase
 
 
@@ -681,15 +946,40 @@ def programs(plan: Plan) -> Programs:
   return cached_programs(plan)
 
 
+def _initial_models_program(models: tuple[nn.Module, ...], sizes: tuple[int, ...]
+                            ) -> Callable[[chex.Array, chex.Array], PerGroup]:
+  """`initial_models` of every run, `(seeds, x) -> PerGroup` with a leading run
+  axis (`x`: the runs' `(S, m, n, ...)` training inputs, whose first sample
+  gives the input's shape), jitted once per architectures and sizes
+  (`shared_initial_models`)."""
+  return jax.jit(lambda seeds, x: jax.vmap(
+      lambda seed: initial_models(models, sizes, x[0, 0, :1], seed))(seeds))
+
+
+shared_initial_models = functools.lru_cache(maxsize=32)(_initial_models_program)
+"""`_initial_models_program` once per (hashable) models and sizes: every
+algorithm of a federation with the same architectures shares the program."""
+
+
 def build_programs(plan: Plan) -> Programs:
   """`programs(plan)`, built without the cache."""
   groups = plan.build(None)
   num_groups = len(groups.members)
-  def initial(value, feds, counts, seed):
-    return initial_carry(plan.build(value), feds[0].x[0, :1],
-                         declared_counts(plan, counts, seed), seed)
+  key = (groups.models, _sizes(groups))
+  try:
+    models_of = shared_initial_models(*key)
+  except TypeError:  # a model that cannot be hashed
+    models_of = _initial_models_program(*key)
 
-  starting = jax.jit(jax.vmap(initial))
+  def from_models(value, counts, seed, params):
+    return carry_from_models(plan.build(value), params,
+                             declared_counts(plan, counts, seed), seed)
+
+  carries = jax.jit(jax.vmap(from_models))
+
+  def starting(values, feds, class_counts, seeds):
+    return carries(values, class_counts, seeds, models_of(seeds, feds[0].x))
+
   warmup = groups.algorithm.warmup
   warm = _phase(plan, warmup.epochs, num_groups, warmup_round) if warmup else None
 
