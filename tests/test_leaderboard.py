@@ -1,35 +1,156 @@
-"""benchmarks/leaderboard.py: PFLlib's Fashion-MNIST leaderboard, at a tiny size."""
+"""PFLlib's Fashion-MNIST leaderboard: `pflax-run --leaderboard pfllib-fmnist` and
+benchmarks/leaderboard.py, at a tiny size."""
 
+import argparse
 import importlib.util
 import json
 import os
 import pathlib
+import types
 
 import pytest
 
+from pflax._src.cli import leaderboard
+from pflax._src.cli import main as cli
+from pflax._src.cli import presets
+from pflax._src.cli import runs
 from pflax._src.data import datasets
 
-pytestmark = pytest.mark.skipif(
+needs_fashion_mnist = pytest.mark.skipif(
     not os.path.isdir(datasets.DEBIAN_FASHION_MNIST),
     reason=f"Fashion-MNIST is not installed in {datasets.DEBIAN_FASHION_MNIST}")
 
 _SCRIPT = pathlib.Path(__file__).parent.parent / "benchmarks" / "leaderboard.py"
+BOARD = ["--leaderboard", "pfllib-fmnist"]
+TINY = ["--rounds", "2", "--eval-every", "2", "--samples-per-client", "20",
+        "--clients", "4", "--model", "mlp", "--seeds", "0", "1", "--algorithms",
+        "fedavg", "fedper", "--no-progress", "--no-compilation-cache"]
+"""Both settings, two algorithms, two seeds, on a CPU in seconds."""
 
 
-def _leaderboard():
-  spec = importlib.util.spec_from_file_location("leaderboard", _SCRIPT)
+def _script():
+  spec = importlib.util.spec_from_file_location("leaderboard_script", _SCRIPT)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
 
 
+def _configs(capsys, *flags):
+  assert cli.main([*BOARD, "--print-config", *flags]) == 0
+  return json.loads(capsys.readouterr().out)
+
+
+def test_the_leaderboard_runs_its_presets_with_the_papers_sizes(capsys):
+  configs = _configs(capsys)
+  assert list(configs) == ["pathological", "dirichlet"]
+  for setting, config in configs.items():
+    preset = presets.get(f"pfllib-fmnist-{setting}")
+    assert config["preset"] == preset.name and config["partition"] == setting
+    assert {k: config[k] for k in preset.config} == dict(preset.config)
+    assert config["algorithms"] == list(preset.algorithms)
+    assert config["rounds"] == 2000 and config["seeds"] == [0, 1, 2]
+
+
+def test_flags_given_override_every_setting(capsys):
+  configs = _configs(capsys, "--rounds", "5", "--eval-every", "5", "--seeds", "7",
+                     "--algorithms", "fedavg", "--set", "lr=0.01")
+  for setting, config in configs.items():
+    assert (config["rounds"], config["eval_every"], config["seeds"]) == (5, 5, [7])
+    assert config["algorithms"] == ["fedavg"] and config["partition"] == setting
+    assert config["optimizers"]["fedavg"]["lr"] == 0.01
+
+
+_REFUSED = "--leaderboard runs its presets, .*; it cannot be combined with "
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--leaderboard", "nope"],
+     "--leaderboard: unknown leaderboard 'nope'; leaderboards: pfllib-fmnist$"),
+    ([*BOARD, "--preset", "pfllib-fmnist-dirichlet"], _REFUSED + "--preset$"),
+    ([*BOARD, "--sweep", "lr", "--values", "0.1"], _REFUSED + "--sweep$"),
+    ([*BOARD, "--tune", "lr"], _REFUSED + "--tune$"),
+    ([*BOARD, "--flower"], _REFUSED + "--flower$"),
+    ([*BOARD, "--resume"], _REFUSED + "--resume$"),
+    ([*BOARD, "--rounds", "0"], "--rounds must be >= 1, got 0"),
+])
+def test_bad_leaderboard_flags_are_one_line_errors(flags, message, tmp_path):
+  with pytest.raises(SystemExit, match="^pflax-run: " + message) as error:
+    cli.main([*flags, "--out", str(tmp_path / "out")])
+  assert "\n" not in str(error.value)
+  assert not (tmp_path / "out").exists()
+
+
+def test_list_presets_lists_the_leaderboard(capsys):
+  assert cli.main(["--list-presets"]) == 0
+  assert ("--leaderboard pfllib-fmnist\n  presets: pfllib-fmnist-pathological "
+          "pfllib-fmnist-dirichlet\n  seeds: 0 1 2") in capsys.readouterr().out
+
+
+def test_ctrl_c_writes_the_finished_rows(monkeypatch, tmp_path, capsys):
+  done = types.SimpleNamespace(summary=lambda: types.SimpleNamespace(best=0.5))
+  sweeps = [([done, done], 0.25)]
+
+  def timed_sweep(*args):
+    del args
+    if not sweeps:
+      raise KeyboardInterrupt  # during the second sweep
+    return sweeps.pop()
+
+  monkeypatch.setattr(runs, "prepare", lambda invocation: {})
+  monkeypatch.setattr(leaderboard, "timed_sweep", timed_sweep)
+  assert cli.main([*BOARD, "--no-progress", "--out", str(tmp_path)]) == 130
+  assert (tmp_path / "leaderboard.md").read_text().splitlines()[2] == (
+      "| fedavg | pathological | 2000 | 2 | 50.00 ± 0.00 | 80.41 | 0.250 |")
+  rows = json.loads((tmp_path / "leaderboard.json").read_text())["rows"]
+  assert len(rows) == 1 and rows[0]["published"] == 80.41
+  assert "wrote the 1 finished rows" in capsys.readouterr().err
+
+
+@needs_fashion_mnist
+def test_one_command_writes_the_table_next_to_pfllibs_numbers(tmp_path, capsys):
+  assert cli.main([*BOARD, *TINY, "--out", str(tmp_path)]) == 0
+  report = json.loads((tmp_path / "leaderboard.json").read_text())
+  rows = report["rows"]
+  assert [(r["algorithm"], r["setting"]) for r in rows] == [
+      ("fedavg", "pathological"), ("fedper", "pathological"),
+      ("fedavg", "dirichlet"), ("fedper", "dirichlet")]
+  for r in rows:
+    assert (r["seeds"], r["rounds"]) == (2, 2) and r["seconds_per_round"] > 0
+    assert 0.0 <= r["accuracy_mean"] <= 100.0
+    assert r["published"] == presets.get(
+        f"pfllib-fmnist-{r['setting']}").paper[r["algorithm"]]
+  assert report["configs"]["dirichlet"]["preset"] == "pfllib-fmnist-dirichlet"
+  table = (tmp_path / "leaderboard.md").read_text()
+  assert table == leaderboard.table(presets.leaderboard("pfllib-fmnist"), rows)
+  assert "| PFLlib |" in table.splitlines()[0]
+  assert "| fedper | dirichlet | 2 | 2 |" in table and "| 97.44 |" in table
+  assert table in capsys.readouterr().out
+
+  # benchmarks/leaderboard.py runs the same rows (its timings aside).
+  timeless = lambda rows: [{**r, "seconds_per_round": None} for r in rows]
+  assert timeless(_script().rows_of([*BOARD, *TINY])) == timeless(rows)
+
+
+def test_the_script_asks_pflax_run_for_its_sizes():
+  script = _script()
+  flags = lambda **given: script.run_flags(argparse.Namespace(**{
+      "slice": False, "quick": False, "rounds": None, "eval_every": None,
+      "samples_per_client": None, "algorithms": None, **given}))
+  assert flags() == [*BOARD, "--no-progress"]
+  assert flags(slice=True) == [*BOARD, "--no-progress", "--rounds", "100",
+                               "--eval-every", "100"]
+  assert flags(slice=True, quick=True, rounds=4, algorithms=["fedavg"]) == [
+      *BOARD, "--no-progress", "--rounds", "4", "--eval-every", "3",
+      "--samples-per-client", "30", "--algorithms", "fedavg"]
+
+
 @pytest.mark.slow
-def test_one_command_runs_both_settings_and_writes_the_table(tmp_path):
-  board = _leaderboard()
+@needs_fashion_mnist
+def test_the_script_runs_both_settings_and_writes_the_table(tmp_path):
   out, report = tmp_path / "table.md", tmp_path / "slice.json"
-  board.main(["--slice", "--quick", "--rounds", "3", "--samples-per-client", "20",
-              "--algorithms", "fedavg", "fedper", "--json", str(report),
-              "--out", str(out)])
+  _script().main(["--slice", "--quick", "--rounds", "3", "--samples-per-client", "20",
+                  "--algorithms", "fedavg", "fedper", "--json", str(report),
+                  "--out", str(out)])
   rows = json.loads(report.read_text())["rows"]
   assert [(r["algorithm"], r["setting"]) for r in rows] == [
       ("fedavg", "pathological"), ("fedper", "pathological"),
@@ -41,4 +162,4 @@ def test_one_command_runs_both_settings_and_writes_the_table(tmp_path):
   assert projected == pytest.approx(
       sum(r["seconds_per_round"] for r in rows) * 2000 / 3600)
   table = out.read_text()
-  assert "| fedper | dirichlet | 3 |" in table and "| 97.44 |" in table
+  assert "| fedper | dirichlet | 3 | 3 |" in table and "| 97.44 |" in table

@@ -2,7 +2,8 @@
 
 The command line is parsed (`parser`), resolved into an `Invocation` (`config`),
 checked (`checks`), and run: simulated (`runs`) or as Flower federations
-(`federation`), on the JAX runtime of `runtime`, reported by `report`.
+(`federation`), on the JAX runtime of `runtime`, reported by `report`; or a
+published leaderboard's presets, each algorithm a sweep of seeds (`leaderboard`).
 """
 
 import argparse
@@ -10,13 +11,14 @@ import json
 import os
 import sys
 import warnings
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import jax
 
 from pflax._src.cli import checks
 from pflax._src.cli import config
 from pflax._src.cli import federation
+from pflax._src.cli import leaderboard
 from pflax._src.cli import messages
 from pflax._src.cli import parser
 from pflax._src.cli import presets
@@ -39,16 +41,37 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace, given: Collection[str]) -> int:
-  """Lists the presets, prints the configuration, or checks and runs it."""
+  """Lists the presets, prints the configuration, or checks and runs it (a
+  leaderboard's settings with `--leaderboard`)."""
   if "algorithms" in given and any(map(config.importing, args.algorithms)):
     sys.path.append(os.getcwd())  # for --algorithms module:builder, never first
   if args.list_presets:
     print(presets.listing())
     return 0
+  if args.leaderboard:
+    return _leaderboard(args, given)
   invocation = config.invocation_from_args(args, given)
   if args.print_config:
     print(json.dumps(config.config_dict(invocation), indent=1))
     return 0
+  return _started(invocation, lambda: _run(invocation))
+
+
+def _leaderboard(args: argparse.Namespace, given: Collection[str]) -> int:
+  """`--leaderboard`: prints each setting's configuration, or runs them all."""
+  board = leaderboard.board(args.leaderboard)
+  invocations = leaderboard.invocations(board, args, given)
+  if args.print_config:
+    print(json.dumps(leaderboard.configs(invocations), indent=1))
+    return 0
+  return _started(next(iter(invocations.values())),
+                  lambda: leaderboard.run_and_write(board, invocations))
+
+
+def _started(invocation: config.Invocation, run: Callable[[], None]) -> int:
+  """Checks the run-level flags, starts JAX's runtime as they ask, and calls
+  `run` holding `--out`'s lock; a file that cannot be written is a one-line
+  error."""
   checks.check_flags(invocation)
   if invocation.compilation_cache:
     runtime.use_compilation_cache()
@@ -58,7 +81,7 @@ def _main(args: argparse.Namespace, given: Collection[str]) -> int:
   checks.check_device_count(invocation)
   try:
     with checks.out_lock(invocation.out):
-      _run(invocation)
+      run()
   except OSError as e:  # a full disk, a file that cannot be written
     where = f" {e.filename}" if e.filename else ""
     raise messages.fail(f"cannot write{where}: {e.strerror or e}") from None

@@ -108,12 +108,19 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_source_flags(p: argparse.ArgumentParser) -> None:
-  """Where a configuration comes from: a paper's preset, a results.json."""
+  """Where a configuration comes from: a paper's preset, a leaderboard of them,
+  a results.json."""
   p.add_argument("--list-presets", action="store_true",
                  help="list the papers' headline settings and exit")
   p.add_argument("--preset", default=None, metavar="NAME",
                  help="every value of a paper's headline setting (see "
                       "--list-presets); flags given as well override it")
+  p.add_argument("--leaderboard", default=None, metavar="NAME",
+                 help="run a published leaderboard (see --list-presets): each "
+                      "algorithm of each of its presets, its seeds as one sweep, "
+                      "and write leaderboard.md and leaderboard.json (pflax's best "
+                      "personalized accuracy next to the published one); flags "
+                      "given as well override the presets")
   p.add_argument("--config", default=None, metavar="FILE",
                  help="re-run the experiment of a results.json (or of its 'config'); "
                       "flags given as well override it")

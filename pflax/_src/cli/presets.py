@@ -1,4 +1,5 @@
-"""The papers' headline settings as named configurations of `pflax-run --preset`.
+"""The papers' headline settings as named configurations of `pflax-run --preset`,
+and the published leaderboards that group them (`pflax-run --leaderboard`).
 
 Every value comes from the paper's text (the sources name the line of the paper
 text each value was read from, `papers/<method>.txt` as shipped with the
@@ -497,6 +498,36 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
 )}
 
 
+class Leaderboard(NamedTuple):
+  """A published leaderboard: a few presets, its settings, each algorithm of
+  each run with the same seeds.
+
+  Attributes:
+    name: what `pflax-run --leaderboard` takes.
+    description: what it runs and where its numbers come from.
+    source: who published the numbers (the table's column).
+    settings: `{setting: preset name}`, in the table's order; each preset's
+      `paper` holds the published numbers of its algorithms.
+    seeds: the seeds of every (setting, algorithm) sweep (`--seeds` overrides
+      them).
+  """
+  name: str
+  description: str
+  source: str
+  settings: Mapping[str, str]
+  seeds: tuple[int, ...]
+
+
+LEADERBOARDS: dict[str, Leaderboard] = {b.name: b for b in (
+    Leaderboard("pfllib-fmnist",
+                "PFLlib's Fashion-MNIST leaderboard: each of its baselines that pflax "
+                "has, in both settings, 3 seeds, 2,000 rounds; pflax's best "
+                "personalized accuracy over the rounds next to PFLlib's.",
+                "PFLlib", {"pathological": "pfllib-fmnist-pathological",
+                           "dirichlet": "pfllib-fmnist-dirichlet"}, (0, 1, 2)),
+)}
+
+
 def names() -> tuple[str, ...]:
   return tuple(PRESETS)
 
@@ -508,8 +539,17 @@ def get(name: str) -> Preset:
   return PRESETS[name]
 
 
+def leaderboard(name: str) -> Leaderboard:
+  """The leaderboard `name`; ValueError listing the valid names otherwise."""
+  if name not in LEADERBOARDS:
+    raise ValueError(f"unknown leaderboard {name!r}; leaderboards: "
+                     f"{', '.join(LEADERBOARDS)}")
+  return LEADERBOARDS[name]
+
+
 def listing() -> str:
   """One block per preset: name, algorithms, seeds, the paper's accuracies,
+  description; then one per leaderboard (`--leaderboard`): name, presets, seeds,
   description."""
   blocks = []
   for p in PRESETS.values():
@@ -517,6 +557,9 @@ def listing() -> str:
     blocks.append(f"{p.name}\n  algorithms: {' '.join(p.algorithms)}\n"
                   f"  seeds: {' '.join(map(str, p.seeds))}\n  paper: {paper}\n"
                   f"  {p.description}")
+  for b in LEADERBOARDS.values():
+    blocks.append(f"--leaderboard {b.name}\n  presets: {' '.join(b.settings.values())}"
+                  f"\n  seeds: {' '.join(map(str, b.seeds))}\n  {b.description}")
   return "\n".join(blocks)
 
 
