@@ -264,39 +264,38 @@ class Layout(NamedTuple):
     return alg.round_robin(self.num_clients, self.num_groups)
 
 
+def layout(groups: groups_lib.Groups) -> Layout:
+  """The `Layout` of `groups`' clients."""
+  return Layout(groups.num_clients, len(groups.models))
+
+
 class Schedule(NamedTuple):
   """What a run's draws depend on besides its seed and the round (hashable).
 
   Attributes:
     num_clients: the real clients (`Plan.num_clients`).
-    padded: all clients of the federation, padding included (`Groups.num_clients`).
-    num_groups: the architecture groups (clients in round robin, `Groups.clients`).
+    layout: all clients of the federation, padding included, in their
+      architecture groups (`Groups.num_clients`, `Groups.clients`).
     participation, fault_fraction, fault_kind, poisson: as in `Plan`.
   """
   num_clients: int
-  padded: int
-  num_groups: int
+  layout: Layout
   participation: float
   fault_fraction: float
   fault_kind: str
   poisson: bool
 
-  @property
-  def clients(self) -> tuple[np.ndarray, ...]:
-    """Each group's client indices (`Groups.clients`)."""
-    return alg.round_robin(self.padded, self.num_groups)
-
 
 def schedule(plan: "Plan", groups: groups_lib.Groups) -> Schedule:
   """The `Schedule` of a plan's runs of `groups`."""
-  return Schedule(plan.num_clients, groups.num_clients, len(groups.models),
-                  plan.participation, plan.fault_fraction, plan.fault_kind, plan.poisson)
+  return Schedule(plan.num_clients, layout(groups), plan.participation,
+                  plan.fault_fraction, plan.fault_kind, plan.poisson)
 
 
 def round_draws(schedule: Schedule, seed: chex.Array, t: chex.Array) -> Draws:
   """Round `t`'s participants, faulty clients and training keys, for one run."""
   sample_key, train_key, server_key = keys_lib.round_keys(keys_lib.run_keys(seed)[2], t)
-  m = schedule.padded
+  m = schedule.layout.num_clients
   if schedule.poisson:
     chosen = jnp.arange(schedule.num_clients)
     took_part = jnp.zeros(m, bool).at[:schedule.num_clients].set(
@@ -317,19 +316,19 @@ def round_draws(schedule: Schedule, seed: chex.Array, t: chex.Array) -> Draws:
     faulty = jnp.zeros_like(took_part)
   everyone = chosen.shape[0] == schedule.num_clients
   group_chosen = tuple(_group_chosen(took_part, index, chosen.shape[0], everyone)
-                       for index in schedule.clients)
+                       for index in schedule.layout.clients)
   keys = tuple(keys_lib.group_training_keys(
       train_key, g, jnp.arange(len(index)) if picked is None else picked)
-               for g, (index, picked) in enumerate(zip(schedule.clients, group_chosen)))
+               for g, (index, picked) in enumerate(zip(schedule.layout.clients, group_chosen)))
   return Draws(took_part, faulty, group_chosen, keys, server_key)
 
 
 def warmup_draws(schedule: Schedule, seed: chex.Array) -> Draws:
   """The warm-up's draws: every client trains, with its warm-up key."""
-  everyone = jnp.ones(schedule.padded, bool)
+  everyone = jnp.ones(schedule.layout.num_clients, bool)
   keys = tuple(keys_lib.warmup_training_keys(seed, jnp.arange(len(index)))
-               for index in schedule.clients)
-  return Draws(everyone, ~everyone, (None,) * schedule.num_groups, keys,
+               for index in schedule.layout.clients)
+  return Draws(everyone, ~everyone, (None,) * schedule.layout.num_groups, keys,
                keys_lib.run_keys(seed)[1])
 
 
@@ -424,8 +423,15 @@ def server_step(groups: groups_lib.Groups, state: alg.State, starts: PerGroup,
     outlier_factor: the health rule's factor (`faults.update_outliers`); None disables.
   """
   healthy, kept = _healthy_uploads(groups, took_part, starts, uploads, outlier_factor)
-  new = groups.algorithm.server_update(state, kept, healthy, key)
-  return faults_lib.keep_if_nobody(healthy, new, state), healthy
+  return _aggregate(groups, state, kept, healthy, key), healthy
+
+
+def _aggregate(groups: groups_lib.Groups, state: alg.State, uploads: PerGroup,
+               healthy: chex.Array, key: chex.PRNGKey) -> alg.State:
+  """The algorithm's server update of the healthy clients' uploads; `state`
+  for a round without any (`faults.keep_if_nobody`)."""
+  new = groups.algorithm.server_update(state, uploads, healthy, key)
+  return faults_lib.keep_if_nobody(healthy, new, state)
 
 
 def warmup_step(groups: groups_lib.Groups, state: alg.State, starts: PerGroup,
@@ -482,8 +488,8 @@ class UploadRule(NamedTuple):
 def upload_rule(plan: Plan, groups: groups_lib.Groups, warmup: bool = False
                 ) -> UploadRule:
   """The `UploadRule` of a plan's runs of `groups` (of its warm-up with `warmup`)."""
-  return UploadRule(Layout(groups.num_clients, len(groups.models)), plan.fault_kind,
-                    plan.scale, plan.outlier_factor, warmup)
+  return UploadRule(layout(groups), plan.fault_kind, plan.scale, plan.outlier_factor,
+                    warmup)
 
 
 class Checked(NamedTuple):
@@ -545,9 +551,8 @@ def _server_outputs(plan: Plan, groups: groups_lib.Groups, carry: Carry,
   """The server update on the checked uploads (kept for a round without any
   healthy client, `faults.keep_if_nobody`), the stored optimizer states, and
   the round's metrics."""
-  new = groups.algorithm.server_update(carry.state, checked.uploads, checked.healthy,
-                                       inputs.server_key)
-  state = faults_lib.keep_if_nobody(checked.healthy, new, carry.state)
+  state = _aggregate(groups, carry.state, checked.uploads, checked.healthy,
+                     inputs.server_key)
   opt_after = _stored_opt_states(groups, carry.opt_states, inputs.chosen, results)
   opts = tuple(weights_lib.keep_masked(after, before, mask) for after, before, mask in
                zip(opt_after, carry.opt_states, _group_masks(groups, checked.healthy)))
