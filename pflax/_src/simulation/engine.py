@@ -212,7 +212,7 @@ def _client_inputs(start: types.Stacked, opt_state: optax.OptState,
                       _take(chosen, context), x, y, mask, keys)
 
 
-def in_client_order(groups: groups_lib.Groups,
+def in_client_order(groups: "groups_lib.Groups | Layout",
                     parts: tuple[chex.Array, ...]) -> chex.Array:
   """Per-group `(m_g, ...)` arrays as one `(M, ...)` array in client order."""
   if len(parts) == 1:
@@ -223,7 +223,8 @@ def in_client_order(groups: groups_lib.Groups,
   return out
 
 
-def _group_masks(groups: groups_lib.Groups, mask: chex.Array) -> tuple[chex.Array, ...]:
+def _group_masks(groups: "groups_lib.Groups | Layout", mask: chex.Array
+                 ) -> tuple[chex.Array, ...]:
   """Each group's `(m_g,)` rows of an `(M,)` mask."""
   return tuple(mask[index] for index in groups.clients)
 
@@ -315,11 +316,12 @@ def round_draws(schedule: Schedule, seed: chex.Array, t: chex.Array) -> Draws:
   else:
     faulty = jnp.zeros_like(took_part)
   everyone = chosen.shape[0] == schedule.num_clients
+  clients = schedule.layout.clients
   group_chosen = tuple(_group_chosen(took_part, index, chosen.shape[0], everyone)
-                       for index in schedule.layout.clients)
+                       for index in clients)
   keys = tuple(keys_lib.group_training_keys(
       train_key, g, jnp.arange(len(index)) if picked is None else picked)
-               for g, (index, picked) in enumerate(zip(schedule.layout.clients, group_chosen)))
+               for g, (index, picked) in enumerate(zip(clients, group_chosen)))
   return Draws(took_part, faulty, group_chosen, keys, server_key)
 
 
@@ -377,8 +379,9 @@ def _stored_opt_states(groups: groups_lib.Groups, opt_states: tuple[optax.OptSta
                                                  results))
 
 
-def _health(groups: groups_lib.Groups, took_part: chex.Array, starts: PerGroup,
-            uploads: PerGroup, outlier_factor: float | None) -> chex.Array:
+def _health(groups: "groups_lib.Groups | Layout", took_part: chex.Array,
+            starts: PerGroup, uploads: PerGroup, outlier_factor: float | None
+            ) -> chex.Array:
   """`faults.healthy_clients` of all groups' uploads, `(M,)` in client order."""
   finite = in_client_order(groups, tuple(tree_lib.finite_clients(u) for u in uploads))
   if not outlier_factor:
@@ -388,8 +391,8 @@ def _health(groups: groups_lib.Groups, took_part: chex.Array, starts: PerGroup,
   return faults_lib.healthy_clients(took_part, finite, norms, outlier_factor)
 
 
-def _healthy_uploads(groups: groups_lib.Groups, took_part: chex.Array, starts: PerGroup,
-                     uploads: PerGroup, outlier_factor: float | None
+def _healthy_uploads(groups: "groups_lib.Groups | Layout", took_part: chex.Array,
+                     starts: PerGroup, uploads: PerGroup, outlier_factor: float | None
                      ) -> tuple[chex.Array, PerGroup]:
   """`(healthy, uploads)`: the clients' health (`_health`) and the uploads with
   the unhealthy clients given back their starting models (so no update reads
@@ -445,9 +448,9 @@ def warmup_step(groups: groups_lib.Groups, state: alg.State, starts: PerGroup,
   return groups.algorithm.warmup.update(state, kept, healthy)
 
 
-def _with_faults(groups: groups_lib.Groups, starts: PerGroup, uploads: PerGroup,
-                 faulty: chex.Array, took_part: chex.Array, key: chex.PRNGKey,
-                 fault_kind: str, fault_scale: float) -> PerGroup:
+def _with_faults(groups: "groups_lib.Groups | Layout", starts: PerGroup,
+                 uploads: PerGroup, faulty: chex.Array, took_part: chex.Array,
+                 key: chex.PRNGKey, fault_kind: str, fault_scale: float) -> PerGroup:
   """The uploads with the faulty clients' corrupted ("nan", "scaled" and the
   attacks of `faults.attack_updates`, each group's benign participants being the
   attacks' statistics; "inflated_counts" corrupts no upload)."""
@@ -822,7 +825,7 @@ def _client_trainer(plan: Plan, epochs: int, g: int
   return train_one
 
 
-def _phase(plan: Plan, epochs: int, num_groups: int,
+def _phase(plan: Plan, groups: groups_lib.Groups, epochs: int,
            step: Callable[..., Carry | tuple[Carry, RoundMetrics]]
            ) -> Callable[..., Carry | tuple[Carry, RoundMetrics]]:
   """`step` (`round_step` or `warmup_round`) of all runs, their clients mapped.
@@ -836,7 +839,7 @@ def _phase(plan: Plan, epochs: int, num_groups: int,
   uploads' checks (`shared_checks`) and the server's update. The draws and the
   checks are shared by the algorithms of a federation: compiled once.
   """
-  trainers = [_client_trainer(plan, epochs, g) for g in range(num_groups)]
+  trainers = [_client_trainer(plan, epochs, g) for g in range(len(groups.members))]
   per_run = lambda fn, extra: jax.vmap(fn, (0, 0, 0, 0) + (None,) * len(extra))
 
   if plan.strategy != "loop":
@@ -850,7 +853,6 @@ def _phase(plan: Plan, epochs: int, num_groups: int,
         values, carry, feds, seeds, *args))
 
   steps = _LOOP_STEPS[step]
-  groups = plan.build(None)
   draws_of = shared_draws(steps.draw, schedule(plan, groups))
   checks = shared_checks(upload_rule(plan, groups, steps.warmup))
 
@@ -969,7 +971,6 @@ algorithm of a federation with the same architectures shares the program."""
 def build_programs(plan: Plan) -> Programs:
   """`programs(plan)`, built without the cache."""
   groups = plan.build(None)
-  num_groups = len(groups.members)
   key = (groups.models, _sizes(groups))
   try:
     models_of = shared_initial_models(*key)
@@ -986,13 +987,13 @@ def build_programs(plan: Plan) -> Programs:
     return carries(values, class_counts, seeds, models_of(seeds, feds[0].x))
 
   warmup = groups.algorithm.warmup
-  warm = _phase(plan, warmup.epochs, num_groups, warmup_round) if warmup else None
+  warm = _phase(plan, groups, warmup.epochs, warmup_round) if warmup else None
 
   def init(values, feds, class_counts, seeds):
     carry = starting(values, feds, class_counts, seeds)
     return carry if warm is None else warm(values, carry, feds, seeds)
 
-  round_ = _phase(plan, plan.local_epochs, num_groups, round_step)
+  round_ = _phase(plan, groups, plan.local_epochs, round_step)
   return Programs(initial=starting, init=init, round=round_,
                   evaluate=jax.jit(jax.vmap(_evaluator(plan, groups))))
 
