@@ -3,7 +3,8 @@
 The leaderboard is `pflax-run --leaderboard pfllib-fmnist`: each of PFLlib's
 baselines that pflax has (the presets `pfllib-fmnist-pathological` and
 `pfllib-fmnist-dirichlet`), both settings, 3 seeds, 2,000 rounds, the 3 seeds of
-an algorithm and setting side by side in one program (`pflax.simulate.sweep`).
+an algorithm in both settings side by side in one program
+(`pflax.simulate.sweep_settings`).
 This script runs it through the same code (`pflax/_src/cli/leaderboard.py`),
 smaller where asked, and projects its time:
 
@@ -15,9 +16,9 @@ smaller where asked, and projects its time:
 It writes the Markdown table (`--out`) of pflax's best personalized test accuracy
 (mean and standard deviation over the seeds) next to PFLlib's published numbers,
 with each sweep's seconds per round (the rounds after the first and before the
-last, so compilation and the final evaluation are left out), and projects the
-whole leaderboard's time at 2,000 rounds: the sum over algorithms and settings of
-seconds per round times 2,000.
+last, so compilation and the final evaluation are left out; the settings of one
+sweep share it), and projects the whole leaderboard's time at 2,000 rounds: the
+sum over the sweeps of seconds per round times 2,000.
 """
 
 import argparse
@@ -57,8 +58,10 @@ def rows_of(flags: list[str]) -> list[dict]:
 
 
 def projected_hours(rows: list[dict]) -> float:
-  """The whole leaderboard's time at 2,000 rounds from the measured rounds."""
-  return sum(r["seconds_per_round"] or float("nan")
+  """The whole leaderboard's time at 2,000 rounds from the measured rounds: each
+  sweep's seconds per round once (a row holds its share of its sweep's, which the
+  settings of its `sweep` ran side by side)."""
+  return sum((r["seconds_per_round"] or float("nan")) / len(r["sweep"])
              for r in rows) * LEADERBOARD_ROUNDS / 3600.0
 
 

@@ -1,7 +1,9 @@
 """Federated simulation: configure an experiment, run it, sweep it, read, tabulate and
-plot its records; the round every run takes (`round_step`)."""
+plot its records; the round every run takes (`round_step`); settings that differ
+only in their partition (`PARTITION_FIELDS`) side by side (`sweep_settings`)."""
 
 from pflax._src.simulation.engine import round_step
+from pflax._src.simulation.experiment import PARTITION_FIELDS
 from pflax._src.simulation.experiment import ExperimentConfig
 from pflax._src.simulation.experiment import Setup
 from pflax._src.simulation.experiment import client_optimizer
@@ -19,10 +21,12 @@ from pflax._src.simulation.records import RunRecord
 from pflax._src.simulation.records import Summary
 from pflax._src.simulation.simulate import run
 from pflax._src.simulation.simulate import sweep
+from pflax._src.simulation.simulate import sweep_settings
 
 __all__ = (
     "Accuracy",
     "ExperimentConfig",
+    "PARTITION_FIELDS",
     "Results",
     "RoundRecord",
     "RunRecord",
@@ -38,5 +42,6 @@ __all__ = (
     "run",
     "save_plots",
     "sweep",
+    "sweep_settings",
     "sweepable",
 )

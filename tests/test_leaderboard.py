@@ -2,6 +2,7 @@
 benchmarks/leaderboard.py, at a tiny size."""
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -15,6 +16,7 @@ from pflax._src.cli import main as cli
 from pflax._src.cli import presets
 from pflax._src.cli import runs
 from pflax._src.data import datasets
+from pflax._src.simulation import simulate
 
 needs_fashion_mnist = pytest.mark.skipif(
     not os.path.isdir(datasets.DEBIAN_FASHION_MNIST),
@@ -86,29 +88,58 @@ def test_list_presets_lists_the_leaderboard(capsys):
           "pfllib-fmnist-dirichlet\n  seeds: 0 1 2") in capsys.readouterr().out
 
 
-def test_ctrl_c_writes_the_finished_rows(monkeypatch, tmp_path, capsys):
+def _sweeps_then_ctrl_c(sweeps):
+  """A `timed_sweep` that gives each setting of its sweep two seeds of best
+  accuracy 0.5 and 0.25 s per round, `sweeps` times, then is interrupted."""
   done = types.SimpleNamespace(summary=lambda: types.SimpleNamespace(best=0.5))
-  sweeps = [([done, done], 0.25)]
 
-  def timed_sweep(*args):
-    del args
+  def timed_sweep(algorithm, invocations_, setups, label):
+    del algorithm, setups, label
     if not sweeps:
-      raise KeyboardInterrupt  # during the second sweep
-    return sweeps.pop()
+      raise KeyboardInterrupt
+    sweeps.pop()
+    return {setting: [done, done] for setting in invocations_}, 0.25
+  return timed_sweep
 
+
+@pytest.mark.parametrize("dirichlet_lr,rows,sweep", [
+    # The settings side by side: the first sweep is FedAvg in both.
+    (None, [("fedavg", "pathological"), ("fedavg", "dirichlet")],
+     ["pathological", "dirichlet"]),
+    # Another lr in one setting: one after the other, as before.
+    (0.01, [("fedavg", "pathological")], ["pathological"]),
+])
+def test_ctrl_c_writes_the_finished_rows(monkeypatch, tmp_path, capsys, dirichlet_lr,
+                                         rows, sweep):
+  if dirichlet_lr:
+    real = leaderboard.invocations
+    monkeypatch.setattr(leaderboard, "invocations", lambda *args: {
+        s: dataclasses.replace(i, config=dataclasses.replace(i.config,
+                                                             lr=dirichlet_lr))
+        if s == "dirichlet" else i for s, i in real(*args).items()})
   monkeypatch.setattr(runs, "prepare", lambda invocation: {})
-  monkeypatch.setattr(leaderboard, "timed_sweep", timed_sweep)
+  monkeypatch.setattr(leaderboard, "timed_sweep", _sweeps_then_ctrl_c([()]))
   assert cli.main([*BOARD, "--no-progress", "--out", str(tmp_path)]) == 130
   assert (tmp_path / "leaderboard.md").read_text().splitlines()[2] == (
       "| fedavg | pathological | 2000 | 2 | 50.00 ± 0.00 | 80.41 | 0.250 |")
-  rows = json.loads((tmp_path / "leaderboard.json").read_text())["rows"]
-  assert len(rows) == 1 and rows[0]["published"] == 80.41
-  assert "wrote the 1 finished rows" in capsys.readouterr().err
+  written = json.loads((tmp_path / "leaderboard.json").read_text())["rows"]
+  assert [(r["algorithm"], r["setting"]) for r in written] == rows
+  assert written[0]["published"] == 80.41
+  assert all(r["sweep"] == sweep for r in written)
+  assert f"wrote the {len(rows)} finished rows" in capsys.readouterr().err
 
 
 @needs_fashion_mnist
-def test_one_command_writes_the_table_next_to_pfllibs_numbers(tmp_path, capsys):
+def test_one_command_writes_the_table_next_to_pfllibs_numbers(monkeypatch, tmp_path,
+                                                               capsys):
+  sweeps = []
+  sweep_settings = simulate.sweep_settings
+  monkeypatch.setattr(simulate, "sweep_settings", lambda algorithm, configs, *args,
+                      **kwargs: sweeps.append((algorithm, list(configs)))
+                      or sweep_settings(algorithm, configs, *args, **kwargs))
   assert cli.main([*BOARD, *TINY, "--out", str(tmp_path)]) == 0
+  # One sweep per algorithm runs both settings side by side.
+  assert sweeps == [(a, ["pathological", "dirichlet"]) for a in ("fedavg", "fedper")]
   report = json.loads((tmp_path / "leaderboard.json").read_text())
   rows = report["rows"]
   assert [(r["algorithm"], r["setting"]) for r in rows] == [
@@ -119,6 +150,9 @@ def test_one_command_writes_the_table_next_to_pfllibs_numbers(tmp_path, capsys):
     assert 0.0 <= r["accuracy_mean"] <= 100.0
     assert r["published"] == presets.get(
         f"pfllib-fmnist-{r['setting']}").paper[r["algorithm"]]
+    assert r["sweep"] == ["pathological", "dirichlet"]
+    shared = next(o for o in rows if o["algorithm"] == r["algorithm"])
+    assert r["seconds_per_round"] == shared["seconds_per_round"]
   assert report["configs"]["dirichlet"]["preset"] == "pfllib-fmnist-dirichlet"
   table = (tmp_path / "leaderboard.md").read_text()
   assert table == leaderboard.table(presets.leaderboard("pfllib-fmnist"), rows)
@@ -159,7 +193,7 @@ def test_the_script_runs_both_settings_and_writes_the_table(tmp_path):
     assert row["seeds"] == 3 and row["rounds"] == 3 and row["seconds_per_round"] > 0
     assert 0.0 <= row["accuracy_mean"] <= 100.0
   projected = json.loads(report.read_text())["projected_hours"]
-  assert projected == pytest.approx(
-      sum(r["seconds_per_round"] for r in rows) * 2000 / 3600)
+  assert projected == pytest.approx(  # each algorithm's one sweep of both settings
+      sum(r["seconds_per_round"] for r in rows[:2]) * 2000 / 3600)
   table = out.read_text()
   assert "| fedper | dirichlet | 3 | 3 |" in table and "| 97.44 |" in table

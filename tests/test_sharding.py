@@ -29,7 +29,8 @@ SCRIPT = textwrap.dedent("""
     single = simulate.sweep(name, config, [0, 1], setups=setups)
     sharded = simulate.sweep(name, config, [0, 1], setups=setups, mesh=mesh)
 
-    grid = simulate_lib._Grid(name, config, [0, 1], None, (), setups, mesh)
+    grid = simulate_lib._Grid(name, config, [0, 1], None, (),
+                              {(None, s): setups[s] for s in (0, 1)}, mesh)
     carry, metrics = grid.round(grid.start(), 0)
     padded = grid.feds[0].num_samples.shape[1]
     layouts = []

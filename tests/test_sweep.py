@@ -7,10 +7,12 @@ import jax
 import numpy as np
 import pytest
 
+from pflax import data
 from pflax import simulate
 from pflax import train
 from pflax._src.methods.algorithm import EVALUATED
 from pflax._src.simulation import sharding
+from pflax._src.simulation import simulate as simulate_lib
 
 CONFIG = simulate.ExperimentConfig(clients=6, rounds=3, model="mlp", strategy="vmap",
                                    local_epochs=1)
@@ -77,6 +79,47 @@ def test_sweep_with_faulty_clients_equals_separate_runs(setups, name):
     assert all(np.isfinite(h.accuracy()) for h in record.history)
     single = simulate.run(name, config, seed, setup=setups[seed])
     _assert_same_run(record, single, *_tolerances(setups[seed]))
+
+
+SETTINGS = {"pathological": dataclasses.replace(CONFIG, rounds=2, strategy="loop",
+                                                samples_per_client=20),
+            "dirichlet": dataclasses.replace(CONFIG, rounds=2, strategy="loop",
+                                             samples_per_client=20,
+                                             partition="dirichlet", dirichlet_alpha=0.5)}
+
+
+@SLOW  # about 23 s on one CPU core: it compiles a sweep of 4 runs and one of 2
+@pytest.mark.parametrize("name", ["fedavg", "fedper", "cwfedavg"])
+def test_settings_side_by_side_equal_separate_sweeps(name):
+  # Issue 30, item 3: the settings' partitions deal their clients different numbers
+  # of samples (here within the same padded lengths, so that both settings' own
+  # sweeps share one compiled program).
+  rng = np.random.default_rng(0)
+  dataset = data.from_arrays(rng.normal(size=(240, 6)).astype(np.float32),
+                             rng.integers(0, 3, 240))
+  setups = {setting: {s: simulate.prepare(config, s, dataset=dataset) for s in SEEDS}
+            for setting, config in SETTINGS.items()}
+  together = simulate.sweep_settings(name, SETTINGS, SEEDS, setups=setups)
+  assert list(together) == list(SETTINGS)
+  for setting, config in SETTINGS.items():
+    assert [r.seed for r in together[setting]] == list(SEEDS)
+    alone = simulate.sweep(name, config, SEEDS, setups=setups[setting])
+    for record, single, seed in zip(together[setting], alone, SEEDS):
+      _assert_same_run(record, single, *_tolerances(setups[setting][seed]))
+  assert together["pathological"][0].history != together["dirichlet"][0].history
+
+
+@pytest.mark.parametrize("changes,match", [
+    ({"lr": 0.1}, r"differ in lr \(pathological: 0.05, dirichlet: 0.1\)"),
+    ({"clients": 8}, r"differ in clients \(pathological: 6, dirichlet: 8\)"),
+])
+def test_settings_that_differ_beyond_the_partition_are_refused(monkeypatch, changes,
+                                                                match):
+  monkeypatch.setattr(simulate_lib, "_Grid", None)  # refused before any grid
+  configs = {**SETTINGS, "dirichlet": dataclasses.replace(SETTINGS["dirichlet"],
+                                                          **changes)}
+  with pytest.raises(ValueError, match="may differ only in partition, .*; they " + match):
+    simulate.sweep_settings("fedavg", configs, SEEDS)
 
 
 @pytest.mark.parametrize("name,field,values", [

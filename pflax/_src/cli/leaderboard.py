@@ -3,14 +3,18 @@ each of its settings, in a table next to the published numbers.
 
 A leaderboard (`presets.LEADERBOARDS`) is a few presets, its settings. Each
 setting is resolved as `--preset SETTING` with the flags given, the
-leaderboard's seeds unless `--seeds` is given (`invocations`), and each of its
-algorithms runs the seeds as one sweep (`simulate.sweep`: one round of the
-sweep is a round of every seed). A row is pflax's best personalized test
+leaderboard's seeds unless `--seeds` is given (`invocations`). When the
+settings' configurations differ only in their partition
+(`simulate.PARTITION_FIELDS`) and they run the same algorithms and seeds
+(`side_by_side`), each algorithm runs every setting's seeds as one sweep
+(`simulate.sweep_settings`: one round of the sweep is a round of every setting
+and seed); otherwise the settings run one after the other, each algorithm's
+seeds of a setting as one sweep. A row is pflax's best personalized test
 accuracy over the evaluated rounds (percent; mean and standard deviation over
-the seeds), the published number, and the sweep's seconds per round (rounds 2
-to R - 1: the first compiles the round, the last evaluates and, when it is the
-first to evaluate, compiles the evaluation). `benchmarks/leaderboard.py` times
-the same rows.
+the seeds), the published number, and its sweep's seconds per round (rounds 2 to
+R - 1: the first compiles the round, the last evaluates and, when it is the
+first to evaluate, compiles the evaluation), shared by the settings that ran side
+by side. `benchmarks/leaderboard.py` times the same rows.
 """
 
 import argparse
@@ -18,7 +22,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -81,13 +85,31 @@ def seconds_per_round(ends: Sequence[float]) -> float | None:
   return (timed[-1] - timed[0]) / (len(timed) - 1) if len(timed) > 1 else None
 
 
-def timed_sweep(algorithm: str, invocation: config_lib.Invocation,
-                setups: Mapping[int, experiment.Setup], label: str
-                ) -> tuple[list[records.RunRecord], float | None]:
-  """One algorithm's seeds as one sweep, with a progress bar: the runs, and the
-  seconds per round (`seconds_per_round`)."""
-  config = invocation.config
-  bar = report.progress(config.rounds, label, invocation.progress)
+def side_by_side(invocations_: Invocations) -> bool:
+  """Whether the settings run side by side: their configurations agree but in
+  `simulate.PARTITION_FIELDS`, and so do their algorithms and seeds."""
+  first, *rest = invocations_.values()
+  return (experiment.differing_field({s: i.config for s, i in invocations_.items()})
+          is None and all((i.algorithms, i.seeds) == (first.algorithms, first.seeds)
+                          for i in rest))
+
+
+def groups(invocations_: Invocations) -> list[list[str]]:
+  """The settings of each sweep: all of them at once when `side_by_side`, else
+  one by one, in the leaderboard's order."""
+  if side_by_side(invocations_):
+    return [list(invocations_)]
+  return [[setting] for setting in invocations_]
+
+
+def timed_sweep(algorithm: str, invocations_: Invocations,
+                setups: Mapping[str, Mapping[int, experiment.Setup]], label: str
+                ) -> tuple[dict[str, list[records.RunRecord]], float | None]:
+  """One algorithm's seeds of the settings `invocations_` as one sweep, with a
+  progress bar: the runs by setting, and the seconds per round
+  (`seconds_per_round`), shared by the settings."""
+  first = next(iter(invocations_.values()))
+  bar = report.progress(first.config.rounds, label, first.progress)
   ends = []
 
   def on_round(t, rounds):
@@ -96,8 +118,9 @@ def timed_sweep(algorithm: str, invocation: config_lib.Invocation,
     bar.update(1)
 
   try:
-    out = simulate.sweep(algorithm, config, list(invocation.seeds), setups=setups,
-                         on_round=on_round, mesh=runtime.mesh(invocation.devices))
+    out = simulate.sweep_settings(
+        algorithm, {s: i.config for s, i in invocations_.items()}, list(first.seeds),
+        setups=setups, on_round=on_round, mesh=runtime.mesh(first.devices))
   except ValueError as e:
     raise messages.fail(str(e)) from None
   bar.close()
@@ -106,33 +129,47 @@ def timed_sweep(algorithm: str, invocation: config_lib.Invocation,
 
 def row(setting: str, algorithm: str, invocation: config_lib.Invocation,
         runs_: Sequence[records.RunRecord], seconds: float | None,
-        published: float | None) -> dict[str, Any]:
+        published: float | None, sweep: Sequence[str]) -> dict[str, Any]:
   """A row of the table: the seeds' best personalized accuracy (percent), mean
-  and standard deviation, next to the published number."""
+  and standard deviation, next to the published number; `sweep` the settings
+  whose seeds ran in the row's sweep, sharing its `seconds` per round."""
   best = [100.0 * run.summary().best for run in runs_]
   return {"algorithm": algorithm, "setting": setting, "seeds": len(runs_),
           "rounds": invocation.config.rounds, "seconds_per_round": seconds,
-          "accuracy_mean": float(np.mean(best)), "accuracy_std": float(np.std(best)),
-          "published": published}
+          "sweep": list(sweep), "accuracy_mean": float(np.mean(best)),
+          "accuracy_std": float(np.std(best)), "published": published}
+
+
+def _place(invocations_: Invocations) -> Callable[[Mapping[str, Any]], tuple[int, int]]:
+  """A row's place in the table: its setting's, then its algorithm's in that
+  setting."""
+  settings = list(invocations_)
+  return lambda r: (settings.index(r["setting"]),
+                    invocations_[r["setting"]].algorithms.index(r["algorithm"]))
 
 
 def run(leaderboard: presets.Leaderboard, invocations_: Invocations,
         rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-  """Every setting's algorithms, each a sweep of the seeds over the setting's
-  federations (prepared once per setting); each row is printed and appended to
-  `rows` as its sweep ends (what Ctrl-C keeps). Returns `rows`."""
-  for setting, invocation in invocations_.items():
-    paper = presets.get(leaderboard.settings[setting]).paper
-    setups = runs.prepare(invocation)
-    for algorithm in invocation.algorithms:
-      label = f"{algorithm} {setting} x{len(invocation.seeds)}"
-      rows.append(row(setting, algorithm, invocation,
-                      *timed_sweep(algorithm, invocation, setups, label),
-                      paper.get(algorithm)))
-      r = rows[-1]
-      print(f"{label}: best {_accuracy(r)} ({leaderboard.source} "
-            f"{_number(r['published'])}), {_number(r['seconds_per_round'], '.3f')} "
-            "s / round", flush=True)
+  """Every algorithm of every group of settings (`groups`), each a sweep of the
+  group's seeds over the settings' federations (prepared once per setting);
+  each row is printed as its sweep ends and kept in `rows` (what Ctrl-C keeps)
+  in the table's order: settings outer, algorithms inner. Returns `rows`."""
+  for group in groups(invocations_):
+    members = {s: invocations_[s] for s in group}
+    setups = {s: runs.prepare(i) for s, i in members.items()}
+    first = members[group[0]]
+    for algorithm in first.algorithms:
+      label = f"{algorithm} {' + '.join(group)} x{len(first.seeds)}"
+      by_setting, seconds = timed_sweep(algorithm, members, setups, label)
+      for setting, invocation in members.items():
+        paper = presets.get(leaderboard.settings[setting]).paper
+        r = row(setting, algorithm, invocation, by_setting[setting], seconds,
+                paper.get(algorithm), group)
+        rows.append(r)
+        print(f"{algorithm} {setting} x{len(first.seeds)}: best {_accuracy(r)} "
+              f"({leaderboard.source} {_number(r['published'])}), "
+              f"{_number(r['seconds_per_round'], '.3f')} s / round", flush=True)
+      rows.sort(key=_place(invocations_))
   return rows
 
 
@@ -145,19 +182,25 @@ def _accuracy(r: Mapping[str, Any]) -> str:
 
 
 def table(leaderboard: presets.Leaderboard, rows: Sequence[Mapping[str, Any]]) -> str:
-  """Markdown: pflax's accuracy next to the published one, and seconds per round."""
+  """Markdown: pflax's accuracy next to the published one, and seconds per round
+  (of the row's sweep, shared by the settings it ran side by side)."""
   lines = [f"| algorithm | setting | rounds | seeds | pflax (mean ± std) | "
            f"{leaderboard.source} | s / round |", "|---|---|---:|---:|---:|---:|---:|"]
   lines += [f"| {r['algorithm']} | {r['setting']} | {r['rounds']} | {r['seeds']} | "
             f"{_accuracy(r)} | {_number(r['published'])} | "
             f"{_number(r['seconds_per_round'], '.3f')} |" for r in rows]
+  shared = [r["sweep"] for r in rows if len(r["sweep"]) > 1]
+  if shared:
+    lines += ["", f"s / round: each algorithm's one sweep of the settings "
+                  f"{', '.join(shared[0])} side by side, shared by their rows."]
   return "\n".join(lines) + "\n"
 
 
 def write(leaderboard: presets.Leaderboard, invocations_: Invocations,
           rows: Sequence[Mapping[str, Any]], out: str) -> None:
   """Writes `out/leaderboard.md` (`table`) and `out/leaderboard.json`
-  (`{"leaderboard", "source", "rows", "configs"}`), and prints the table."""
+  (`{"leaderboard", "source", "rows", "configs"}`, `row`'s rows), and prints the
+  table."""
   text = table(leaderboard, rows)
   data = {"leaderboard": leaderboard.name, "source": leaderboard.source,
           "rows": list(rows), "configs": configs(invocations_)}

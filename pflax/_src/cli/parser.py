@@ -117,7 +117,8 @@ def _add_source_flags(p: argparse.ArgumentParser) -> None:
                       "--list-presets); flags given as well override it")
   p.add_argument("--leaderboard", default=None, metavar="NAME",
                  help="run a published leaderboard (see --list-presets): each "
-                      "algorithm of each of its presets, its seeds as one sweep, "
+                      "algorithm of each of its presets, its seeds (of every "
+                      "preset, when they differ only in the partition) as one sweep, "
                       "and write leaderboard.md and leaderboard.json (pflax's best "
                       "personalized accuracy next to the published one); flags "
                       "given as well override the presets")

@@ -61,6 +61,11 @@ STRATEGIES = ("auto", "vmap", "loop", "map")
 """`ExperimentConfig.strategy`: how clients are mapped (`pflax.train`)."""
 OPTIMIZER_FIELDS = ("optimizer", "lr", "momentum", "adam_b1", "grad_clip")
 """The fields of the clients' optimizer in `ExperimentConfig` (and its overrides)."""
+PARTITION_FIELDS = ("partition", "classes_per_client", "dirichlet_alpha",
+                    "iid_fraction", "samples_per_client")
+"""The fields of `ExperimentConfig` that only shape the clients' partition (read
+where the data are partitioned and nowhere else): runs of configurations that
+differ in these alone share one sweep (`pflax.simulate.sweep_settings`)."""
 MAX_LR = 1e3
 """The largest learning rate (or `grad_clip`) a run accepts: a larger one diverges."""
 MAX_COUNT = 10**6
@@ -944,6 +949,30 @@ def check_heterogeneous(algorithm: str | Builder, config: ExperimentConfig) -> N
       and algorithm in registry.METHODS and algorithm not in HEAD_SHARING):
     raise ValueError(f"heterogeneous models need an algorithm that shares a head "
                      f"({', '.join(HEAD_SHARING)}), got {algorithm!r}.")
+
+
+def differing_field(configs: Mapping[str, ExperimentConfig]) -> str | None:
+  """The first field outside `PARTITION_FIELDS` in which `configs` differ; None
+  when they agree in all of them."""
+  first, *rest = configs.values()
+  return next((f.name for f in dataclasses.fields(ExperimentConfig)
+               if f.name not in PARTITION_FIELDS
+               and any(getattr(c, f.name) != getattr(first, f.name) for c in rest)),
+              None)
+
+
+def check_settings(configs: Mapping[str, ExperimentConfig]) -> None:
+  """Raises ValueError unless `configs` (`{setting: config}`, at least one) agree in
+  every field outside `PARTITION_FIELDS`, naming the first that differs and its
+  value in each setting."""
+  if not configs:
+    raise ValueError("configs must hold at least one setting, got none.")
+  field = differing_field(configs)
+  if field is not None:
+    values = ", ".join(f"{s}: {getattr(c, field)!r}" for s, c in configs.items())
+    raise ValueError(f"settings run side by side may differ only in "
+                     f"{', '.join(PARTITION_FIELDS)}; they differ in {field} "
+                     f"({values}).")
 
 
 def _check_grid(seeds: Sequence[int], swept: str | None, values: Sequence[float],

@@ -1,12 +1,13 @@
 """Federated simulation: the runner of an experiment's runs and sweeps.
 
 `sweep` runs every (value, seed) pair of a grid through the one engine
-(`pflax._src.simulation.engine`); `run` is a sweep of one seed, with checkpoints. Run r of
-a sweep equals `run(algorithm, config_r, seed_r)` up to float rounding.
+(`pflax._src.simulation.engine`); `sweep_settings` every (setting, seed) pair of
+settings that differ only in their partition; `run` is a sweep of one seed, with
+checkpoints. Run r of a sweep equals `run(algorithm, config_r, seed_r)` up to float
+rounding.
 """
 
 import dataclasses
-import functools
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -26,15 +27,24 @@ from pflax._src.simulation import sharding
 from pflax._src.training import parts as parts_lib
 
 
+RunKey = tuple[str | None, int]
+"""A run's setup in a grid: its setting (None in a `sweep`) and its seed."""
+
+
 class _Grid:
-  """A sweep ready to run: the plan's programs and the runs' placed inputs."""
+  """A sweep ready to run: the plan's programs and the runs' placed inputs.
+
+  Its runs are `(value, setting, seed)` triples, values outer, then settings,
+  then seeds; each has the setup of its `(setting, seed)`.
+  """
 
   def __init__(self, algorithm: str | experiment.Builder,
                config: experiment.ExperimentConfig, seeds: Sequence[int],
                swept: str | None, values: Sequence[float],
-               setups: Mapping[int, experiment.Setup] | None,
+               setups: Mapping[RunKey, experiment.Setup] | None,
                mesh: jax.sharding.Mesh | None,
-               new_setup: Callable[[int], experiment.Setup] | None = None):
+               new_setup: Callable[[str | None, int], experiment.Setup] | None = None,
+               settings: Sequence[str | None] = (None,)):
     experiment.warn_participation(config)
     experiment.check_algorithm_keys(config, [algorithm])
     experiment.check_sweep(algorithm, config, seeds, swept, values)
@@ -43,19 +53,23 @@ class _Grid:
     if mesh is not None and config.heterogeneous:
       raise ValueError("a mesh splits one architecture's clients: heterogeneous=False.")
     setups = dict(setups or {})
-    for s in seeds:
-      if s not in setups:
-        setups[s] = (new_setup or functools.partial(experiment.prepare, config))(s)
-    experiment.check_setups(config, setups)
-    self.runs = [(v, s) for v in (values or [None]) for s in seeds]
-    fed = federation_lib.stack_federations([setups[s].federation for _, s in self.runs])
+    new_setup = new_setup or (lambda _, s: experiment.prepare(config, s))
+    for key in ((setting, s) for setting in settings for s in seeds):
+      if key not in setups:
+        setups[key] = new_setup(*key)
+    for setting in settings:
+      experiment.check_setups(config, {s: setups[setting, s] for s in seeds})
+    self.runs = [(v, setting, s) for v in (values or [None]) for setting in settings
+                 for s in seeds]
+    fed = federation_lib.stack_federations([setups[setting, s].federation
+                                            for _, setting, s in self.runs])
     self.tests = fed.test_mask.sum(axis=2)
     if mesh is not None:
       sharding.check_mesh(mesh)
       fed = federation_lib.pad_clients(fed, mesh.shape[mesh.axis_names[0]])
     m = fed.num_samples.shape[1]
     strategy = sharding.strategy(config.strategy, sharded=mesh is not None)
-    setup = setups[seeds[0]]
+    setup = setups[settings[0], seeds[0]]
     self.plan = experiment.plan(algorithm, config, setup, m, strategy, swept)
     for v in values:
       self.plan.build.member(setup.model, v)  # each value's range, on the host
@@ -63,8 +77,9 @@ class _Grid:
     groups = self.plan.build(None)
     feds = tuple(federation_lib.select_clients(fed, index) if len(groups.clients) > 1
                  else fed for index in groups.clients)
-    values_arr = np.asarray([0.0 if v is None else v for v, _ in self.runs], np.float32)
-    seeds_arr = np.asarray([s for _, s in self.runs], np.int32)
+    values_arr = np.asarray([0.0 if v is None else v for v, _, _ in self.runs],
+                            np.float32)
+    seeds_arr = np.asarray([s for _, _, s in self.runs], np.int32)
     inputs = (values_arr, feds, fed.counts, seeds_arr)
     if mesh is not None:
       inputs = sharding.place(inputs, sharding.client_shardings(inputs, mesh, m))
@@ -110,10 +125,11 @@ def _check_not_all_dropped(t: int, metrics: engine.RoundMetrics, grid: "_Grid",
   dropped (the run diverges: there is nothing to aggregate)."""
   took_part, healthy = (sharding.to_host(x)[:, grid.clients]
                         for x in (metrics.took_part, metrics.healthy))
-  for r, (value, seed) in enumerate(grid.runs):
+  for r, (value, setting, seed) in enumerate(grid.runs):
     if took_part[r].any() and not healthy[r].any():
       swept = "" if value is None else f" {grid.plan.build.swept}={value:g}"
-      raise ValueError(faults_lib.all_dropped(f"round {t + 1} of {name} seed "
+      where = name if setting is None else f"{name} {setting}"
+      raise ValueError(faults_lib.all_dropped(f"round {t + 1} of {where} seed "
                                           f"{seed}{swept}"))
 
 
@@ -152,7 +168,7 @@ def _execute(grid: _Grid, name: str, config: experiment.ExperimentConfig,
       algorithm=name, seed=s, history=tuple(histories[r]), seconds=seconds,
       output_norms=norms[r],
       hyperparameter={} if v is None else {grid.plan.build.swept: float(v)})
-          for r, (v, s) in enumerate(grid.runs)]
+          for r, (v, _, s) in enumerate(grid.runs)]
 
 
 def sweep(algorithm: str | experiment.Builder, config: experiment.ExperimentConfig,
@@ -214,18 +230,87 @@ def sweep(algorithm: str | experiment.Builder, config: experiment.ExperimentConf
     raise ValueError("give setups, or dataset/model/parts to prepare them, not both.")
   if mesh is not None and checkpoint_dir:
     raise ValueError("checkpoints are not supported on a mesh: checkpoint_dir=None.")
-  new_setup = functools.partial(experiment.prepare, config, dataset=dataset,
-                                model=model, parts=parts)
-  grid = _Grid(algorithm, config, seeds, hyperparameter, values, setups, mesh,
+  new_setup = lambda _, seed: experiment.prepare(config, seed, dataset=dataset,
+                                                 model=model, parts=parts)
+  grid = _Grid(algorithm, config, seeds, hyperparameter, values,
+               setups and {(None, s): setup for s, setup in setups.items()}, mesh,
                new_setup)
   name = experiment.algorithm_name(algorithm)
+  runs = [(v, s) for v, _, s in grid.runs]
   checkpoint = checkpoint_dir and checkpoint_lib.Checkpointer(
-      os.path.join(checkpoint_dir, checkpoint_lib.file_name(name, grid.runs)),
+      os.path.join(checkpoint_dir, checkpoint_lib.file_name(name, runs)),
       checkpoint_every, resume, template=grid.template,
       experiment={**dataclasses.asdict(config), "algorithm": name,
-                  "runs": [[v, s] for v, s in grid.runs]}, rounds=config.rounds,
+                  "runs": [[v, s] for v, s in runs]}, rounds=config.rounds,
       start=grid.start, clients=config.clients)
   return _execute(grid, name, config, on_round, checkpoint or None)
+
+
+def sweep_settings(
+    algorithm: str | experiment.Builder,
+    configs: Mapping[str, experiment.ExperimentConfig], seeds: Sequence[int], *,
+    setups: Mapping[str, Mapping[int, experiment.Setup]] | None = None,
+    on_round: Callable[[int, list[records.RoundRecord]], None] | None = None,
+    mesh: jax.sharding.Mesh | None = None, dataset: experiment.Data | None = None,
+    model: nn.Module | None = None, parts: parts_lib.Parts | None = None
+) -> dict[str, list[records.RunRecord]]:
+  """Runs every (setting, seed) pair as one sweep: settings whose configurations
+  differ only in how the data are partitioned, side by side in one program.
+
+  Each setting's seeds give their own partitions (by that setting's
+  configuration); the sweep pads their samples to common lengths, as it does
+  for the seeds of one setting.
+
+  Args:
+    algorithm: as in `sweep`.
+    configs: `{setting: config}`; they must agree in every field but
+      `PARTITION_FIELDS` (`partition`, `classes_per_client`, ...).
+    seeds: the seeds of every setting.
+    setups: prepared federations by setting and seed (default: `prepare` with
+      `dataset`, `model` and `parts` and the setting's configuration).
+    on_round: called after every round with the round number and the records
+      of that round, one per run, settings outer and seeds inner.
+    mesh, dataset, model, parts: as in `sweep`.
+
+  Returns:
+    `{setting: one RunRecord per seed}`, in the order of `configs`; each run
+    equals that setting's `sweep` up to float rounding. `seconds` is the
+    round-loop time of the one sweep, shared by every setting's runs.
+
+  Raises:
+    ValueError: before anything is prepared or compiled, naming the first field
+      outside `PARTITION_FIELDS` in which `configs` differ and its value in each
+      setting.
+
+  Example:
+    >>> import dataclasses, numpy as np, flax.linen as nn
+    >>> from pflax import data, simulate
+    >>> rng = np.random.default_rng(0)
+    >>> ds = data.from_arrays(rng.normal(size=(200, 6)).astype(np.float32),
+    ...                       rng.integers(0, 3, 200))
+    >>> mlp = nn.Sequential([nn.Dense(16), nn.relu, nn.Dense(3)])
+    >>> config = simulate.ExperimentConfig(clients=4, rounds=2, local_epochs=1)
+    >>> configs = {"pathological": config,
+    ...            "dirichlet": dataclasses.replace(config, partition="dirichlet")}
+    >>> out = simulate.sweep_settings("fedavg", configs, [0, 1], dataset=ds,
+    ...                               model=mlp)
+    >>> {s: [r.seed for r in runs] for s, runs in out.items()}
+    {'pathological': [0, 1], 'dirichlet': [0, 1]}
+  """
+  experiment.check_settings(configs)
+  if setups is not None and (dataset is not None or model is not None
+                             or parts is not None):
+    raise ValueError("give setups, or dataset/model/parts to prepare them, not both.")
+  new_setup = lambda setting, seed: experiment.prepare(
+      configs[setting], seed, dataset=dataset, model=model, parts=parts)
+  given = {(setting, s): setup for setting, by_seed in (setups or {}).items()
+           for s, setup in by_seed.items()}
+  config = next(iter(configs.values()))
+  grid = _Grid(algorithm, config, seeds, None, (), given, mesh, new_setup,
+               list(configs))
+  out = _execute(grid, experiment.algorithm_name(algorithm), config, on_round, None)
+  return {setting: [rec for rec, (_, s, _) in zip(out, grid.runs) if s == setting]
+          for setting in configs}
 
 
 def run(algorithm: str | experiment.Builder, config: experiment.ExperimentConfig,
