@@ -171,6 +171,14 @@ def _execute(grid: _Grid, name: str, config: experiment.ExperimentConfig,
           for r, (v, _, s) in enumerate(grid.runs)]
 
 
+def _check_one_source(setups: Any, dataset: experiment.Data | None,
+                      model: nn.Module | None, parts: parts_lib.Parts | None) -> None:
+  """Raises ValueError if both prepared `setups` and what prepares them are given."""
+  if setups is not None and (dataset is not None or model is not None
+                             or parts is not None):
+    raise ValueError("give setups, or dataset/model/parts to prepare them, not both.")
+
+
 def sweep(algorithm: str | experiment.Builder, config: experiment.ExperimentConfig,
           seeds: Sequence[int], *,
           hyperparameter: str | None = None, values: Sequence[float] = (),
@@ -225,9 +233,7 @@ def sweep(algorithm: str | experiment.Builder, config: experiment.ExperimentConf
     >>> [r.seed for r in runs], len(runs[0].history)
     ([0, 1], 2)
   """
-  if setups is not None and (dataset is not None or model is not None
-                             or parts is not None):
-    raise ValueError("give setups, or dataset/model/parts to prepare them, not both.")
+  _check_one_source(setups, dataset, model, parts)
   if mesh is not None and checkpoint_dir:
     raise ValueError("checkpoints are not supported on a mesh: checkpoint_dir=None.")
   new_setup = lambda _, seed: experiment.prepare(config, seed, dataset=dataset,
@@ -285,22 +291,19 @@ def sweep_settings(
   Example:
     >>> import dataclasses, numpy as np, flax.linen as nn
     >>> from pflax import data, simulate
-    >>> rng = np.random.default_rng(0)
-    >>> ds = data.from_arrays(rng.normal(size=(200, 6)).astype(np.float32),
-    ...                       rng.integers(0, 3, 200))
-    >>> mlp = nn.Sequential([nn.Dense(16), nn.relu, nn.Dense(3)])
-    >>> config = simulate.ExperimentConfig(clients=4, rounds=2, local_epochs=1)
-    >>> configs = {"pathological": config,
-    ...            "dirichlet": dataclasses.replace(config, partition="dirichlet")}
+    >>> x = np.random.default_rng(1).normal(size=(160, 5)).astype(np.float32)
+    >>> ds = data.from_arrays(x, (x[:, 0] > 0).astype(np.int32) + (x[:, 1] > 0))
+    >>> base = simulate.ExperimentConfig(clients=4, rounds=1, local_epochs=1)
+    >>> configs = {"pathological": base,
+    ...            "dirichlet": dataclasses.replace(base, partition="dirichlet")}
+    >>> model = nn.Sequential([nn.Dense(8), nn.relu, nn.Dense(3)])
     >>> out = simulate.sweep_settings("fedavg", configs, [0, 1], dataset=ds,
-    ...                               model=mlp)
+    ...                               model=model)
     >>> {s: [r.seed for r in runs] for s, runs in out.items()}
     {'pathological': [0, 1], 'dirichlet': [0, 1]}
   """
   experiment.check_settings(configs)
-  if setups is not None and (dataset is not None or model is not None
-                             or parts is not None):
-    raise ValueError("give setups, or dataset/model/parts to prepare them, not both.")
+  _check_one_source(setups, dataset, model, parts)
   new_setup = lambda setting, seed: experiment.prepare(
       configs[setting], seed, dataset=dataset, model=model, parts=parts)
   given = {(setting, s): setup for setting, by_seed in (setups or {}).items()
