@@ -29,8 +29,10 @@ in this run, every ratio against a baseline measured in the same run:
                 empty cache directory of its own (the first run fills it, the
                 second finds it warm).
   leaderboard   `benchmarks/leaderboard.py --slice --json FILE` (PFLlib's
-                algorithms, 3 seeds, 100 rounds, both settings) and its
-                projection of the whole leaderboard at 2,000 rounds.
+                algorithms, 3 seeds, 100 rounds, both settings side by side)
+                and its projection of the whole leaderboard at 2,000 rounds;
+                then FedAvg's and Ditto's settings apart (`--apart`), one after
+                the other as before `sweep_settings`, against side by side.
 
 `--quick` runs every section at tiny sizes (M = 2, 8 samples, the main job 1
 round of one algorithm on 4 clients) in a minute or two on a CPU: a smoke test,
@@ -345,25 +347,52 @@ def main_job_markdown(sizes: Sizes) -> str:
       f"| warm compilation cache | {warm:.1f} |"])
 
 
-def leaderboard_markdown(sizes: Sizes) -> str:
-  """`benchmarks/leaderboard.py --slice`'s rows and projection, or why not."""
+APART_ALGORITHMS = ("fedavg", "ditto")
+"""The algorithms whose settings the leaderboard section also runs apart."""
+
+
+def _leaderboard_slice(sizes: Sizes, extra: list[str]) -> dict | str:
+  """`benchmarks/leaderboard.py --slice [--quick] extra`'s JSON, or why not."""
   script = ROOT / "benchmarks" / "leaderboard.py"
   if not script.exists():
     return "leaderboard.py not found: not measured."
   with tempfile.TemporaryDirectory() as tmp:
     path = os.path.join(tmp, "slice.json")
-    cmd = [sys.executable, str(script), "--slice", "--json", path]
+    cmd = [sys.executable, str(script), "--slice", "--json", path, *extra]
     out = subprocess.run(cmd + (["--quick"] if sizes.quick else []), capture_output=True,
                          text=True, check=False, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     if out.returncode != 0:
       return f"leaderboard.py failed (exit {out.returncode}):\n\n```\n{out.stderr[-2000:]}\n```"
-    result = json.loads(pathlib.Path(path).read_text())
-  lines = ["| algorithm | setting | s / round |", "|---|---|---:|"]
+    return json.loads(pathlib.Path(path).read_text())
+
+
+def _sweep_seconds(rows: list[dict], algorithms: tuple[str, ...]) -> float:
+  """Seconds per round of `algorithms`' sweeps, each sweep counted once."""
+  return sum(r["seconds_per_round"] / len(r["sweep"]) for r in rows
+             if r["algorithm"] in algorithms)
+
+
+def leaderboard_markdown(sizes: Sizes) -> str:
+  """`benchmarks/leaderboard.py --slice`'s rows and projection, then the
+  settings side by side against apart (`--apart`) for `APART_ALGORITHMS`, or
+  why not."""
+  result = _leaderboard_slice(sizes, [])
+  if isinstance(result, str):
+    return result
+  lines = ["| algorithm | setting | s / round (its sweep's) |", "|---|---|---:|"]
   lines += [f"| {r['algorithm']} | {r['setting']} | {r['seconds_per_round']:.3f} |"
             for r in result["rows"]]
   lines += ["", f"Projected whole leaderboard at 2,000 rounds: "
             f"{result['projected_hours']:.2f} hours."]
+  apart = _leaderboard_slice(sizes, ["--apart", "--algorithms", *APART_ALGORITHMS])
+  if isinstance(apart, str):
+    return "\n".join(lines + ["", apart])
+  together = _sweep_seconds(result["rows"], APART_ALGORITHMS)
+  alone = _sweep_seconds(apart["rows"], APART_ALGORITHMS)
+  lines += ["", f"Both settings side by side in one sweep against one after the "
+            f"other ({', '.join(APART_ALGORITHMS)}): {together:.3f} against "
+            f"{alone:.3f} s per round of both ({alone / together:.2f}x)."]
   return "\n".join(lines)
 
 

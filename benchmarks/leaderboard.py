@@ -12,6 +12,7 @@ smaller where asked, and projects its time:
   python benchmarks/leaderboard.py --slice             # 100 rounds, timed
   python benchmarks/leaderboard.py --slice --quick     # seconds on a CPU
   python benchmarks/leaderboard.py --slice --json PATH
+  python benchmarks/leaderboard.py --slice --apart     # each setting on its own
 
 It writes the Markdown table (`--out`) of pflax's best personalized test accuracy
 (mean and standard deviation over the seeds) next to PFLlib's published numbers,
@@ -49,12 +50,13 @@ def run_flags(args: argparse.Namespace) -> list[str]:
   return flags + (["--algorithms", *args.algorithms] if args.algorithms else [])
 
 
-def rows_of(flags: list[str]) -> list[dict]:
-  """The leaderboard's rows, as `pflax-run flags` runs them."""
+def rows_of(flags: list[str], apart: bool = False) -> list[dict]:
+  """The leaderboard's rows, as `pflax-run flags` runs them (`apart`: each
+  setting in sweeps of its own)."""
   args = parser.parser().parse_args(flags)
   board = leaderboard.board(args.leaderboard)
   return leaderboard.run(board, leaderboard.invocations(
-      board, args, parser.given_flags(flags)), [])
+      board, args, parser.given_flags(flags)), [], apart)
 
 
 def projected_hours(rows: list[dict]) -> float:
@@ -76,14 +78,18 @@ def main(argv=None) -> None:
   p.add_argument("--samples-per-client", type=int, default=None)
   p.add_argument("--eval-every", type=int, default=None)
   p.add_argument("--algorithms", nargs="+", default=None)
+  p.add_argument("--apart", action="store_true",
+                 help="each setting in sweeps of its own, one after the other (as "
+                      "before sweep_settings), to compare")
   p.add_argument("--json", default=None, metavar="PATH")
   p.add_argument("--out", default=None, metavar="PATH", help="the Markdown table")
   args = p.parse_args(argv)
   flags = run_flags(args)
   started = time.perf_counter()
-  rows = rows_of(flags)
+  rows = rows_of(flags, args.apart)
   report = {"rows": rows, "projected_hours": projected_hours(rows),
-            "flags": flags, "wall_seconds": time.perf_counter() - started}
+            "flags": flags, "apart": args.apart,
+            "wall_seconds": time.perf_counter() - started}
   text = leaderboard.table(leaderboard.board(BOARD), rows) + (
       f"\nProjected whole leaderboard ({LEADERBOARD_ROUNDS} rounds): "
       f"{report['projected_hours']:.2f} h\n")

@@ -49,3 +49,28 @@ def test_missing_leaderboard_script_is_reported(gpu, monkeypatch, tmp_path):
   monkeypatch.setattr(gpu, "ROOT", tmp_path)
   assert gpu.leaderboard_markdown(gpu.Sizes(quick=True, clients=None)) == (
       "leaderboard.py not found: not measured.")
+
+
+def test_the_leaderboard_section_compares_settings_side_by_side_and_apart(
+    gpu, monkeypatch):
+  row = lambda algorithm, setting, seconds, sweep: {
+      "algorithm": algorithm, "setting": setting, "seconds_per_round": seconds,
+      "sweep": sweep}
+  both = ["pathological", "dirichlet"]
+  together = {"projected_hours": 1.5, "rows": [
+      row(a, s, t, both) for a, t in (("fedavg", 0.5), ("ditto", 1.0), ("fedper", 0.7))
+      for s in both]}
+  apart = {"projected_hours": 9.0, "rows": [
+      row("fedavg", "pathological", 0.4, ["pathological"]),
+      row("fedavg", "dirichlet", 0.4, ["dirichlet"]),
+      row("ditto", "pathological", 0.8, ["pathological"]),
+      row("ditto", "dirichlet", 0.8, ["dirichlet"])]}
+  calls = []
+  monkeypatch.setattr(gpu, "_leaderboard_slice", lambda sizes, extra: calls.append(
+      extra) or (apart if extra else together))
+  text = gpu.leaderboard_markdown(gpu.Sizes(quick=True, clients=None))
+  assert calls == [[], ["--apart", "--algorithms", "fedavg", "ditto"]]
+  assert "| ditto | dirichlet | 1.000 |" in text
+  assert "Projected whole leaderboard at 2,000 rounds: 1.50 hours." in text
+  # Each sweep once: 0.5 + 1.0 side by side, 0.4 * 2 + 0.8 * 2 apart.
+  assert text.endswith("1.500 against 2.400 s per round of both (1.60x).")

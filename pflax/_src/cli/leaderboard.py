@@ -94,10 +94,10 @@ def side_by_side(invocations_: Invocations) -> bool:
                           for i in rest))
 
 
-def groups(invocations_: Invocations) -> list[list[str]]:
-  """The settings of each sweep: all of them at once when `side_by_side`, else
-  one by one, in the leaderboard's order."""
-  if side_by_side(invocations_):
+def groups(invocations_: Invocations, apart: bool = False) -> list[list[str]]:
+  """The settings of each sweep: all of them at once when `side_by_side` (and
+  not `apart`), else one by one, in the leaderboard's order."""
+  if not apart and side_by_side(invocations_):
     return [list(invocations_)]
   return [[setting] for setting in invocations_]
 
@@ -149,12 +149,14 @@ def _place(invocations_: Invocations) -> Callable[[Mapping[str, Any]], tuple[int
 
 
 def run(leaderboard: presets.Leaderboard, invocations_: Invocations,
-        rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        rows: list[dict[str, Any]], apart: bool = False) -> list[dict[str, Any]]:
   """Every algorithm of every group of settings (`groups`), each a sweep of the
   group's seeds over the settings' federations (prepared once per setting);
   each row is printed as its sweep ends and kept in `rows` (what Ctrl-C keeps)
-  in the table's order: settings outer, algorithms inner. Returns `rows`."""
-  for group in groups(invocations_):
+  in the table's order: settings outer, algorithms inner. `apart` runs the
+  settings one after the other even where they could share sweeps (what
+  `benchmarks/gpu.py` compares against). Returns `rows`."""
+  for group in groups(invocations_, apart):
     members = {s: invocations_[s] for s in group}
     setups = {s: runs.prepare(i) for s, i in members.items()}
     first = members[group[0]]
