@@ -279,8 +279,9 @@ def sweep_settings(
     mesh, dataset, model, parts: as in `sweep`.
 
   Returns:
-    `{setting: one RunRecord per seed}`, in the order of `configs`; each run
-    equals that setting's `sweep` up to float rounding. `seconds` is the
+    A dict from each setting, in the order of `configs`, to its runs, one
+    `RunRecord` per seed; each run equals that setting's `sweep` up to float
+    rounding. `seconds` is the
     round-loop time of the one sweep, shared by every setting's runs.
 
   Raises:
