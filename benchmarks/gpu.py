@@ -68,6 +68,7 @@ import optax
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing pflax
 
+from pflax._src.cli import leaderboard  # pylint: disable=g-import-not-at-top,wrong-import-position
 from pflax import losses  # pylint: disable=g-import-not-at-top,wrong-import-position
 from pflax import models  # pylint: disable=g-import-not-at-top,wrong-import-position
 from pflax import train  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -367,12 +368,6 @@ def _leaderboard_slice(sizes: Sizes, extra: list[str]) -> dict | str:
     return json.loads(pathlib.Path(path).read_text())
 
 
-def _sweep_seconds(rows: list[dict], algorithms: tuple[str, ...]) -> float:
-  """Seconds per round of `algorithms`' sweeps, each sweep counted once."""
-  return sum(r["seconds_per_round"] / len(r["sweep"]) for r in rows
-             if r["algorithm"] in algorithms)
-
-
 def leaderboard_markdown(sizes: Sizes) -> str:
   """`benchmarks/leaderboard.py --slice`'s rows and projection, then the
   settings side by side against apart (`--apart`) for `APART_ALGORITHMS`, or
@@ -388,8 +383,9 @@ def leaderboard_markdown(sizes: Sizes) -> str:
   apart = _leaderboard_slice(sizes, ["--apart", "--algorithms", *APART_ALGORITHMS])
   if isinstance(apart, str):
     return "\n".join(lines + ["", apart])
-  together = _sweep_seconds(result["rows"], APART_ALGORITHMS)
-  alone = _sweep_seconds(apart["rows"], APART_ALGORITHMS)
+  compared = lambda rows: [r for r in rows if r["algorithm"] in APART_ALGORITHMS]
+  together = leaderboard.sweep_seconds(compared(result["rows"]))
+  alone = leaderboard.sweep_seconds(compared(apart["rows"]))
   lines += ["", f"Both settings side by side in one sweep against one after the "
             f"other ({', '.join(APART_ALGORITHMS)}): {together:.3f} against "
             f"{alone:.3f} s per round of both ({alone / together:.2f}x)."]

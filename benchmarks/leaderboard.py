@@ -63,8 +63,7 @@ def projected_hours(rows: list[dict]) -> float:
   """The whole leaderboard's time at 2,000 rounds from the measured rounds: each
   sweep's seconds per round once (a row holds its share of its sweep's, which the
   settings of its `sweep` ran side by side)."""
-  return sum((r["seconds_per_round"] or float("nan")) / len(r["sweep"])
-             for r in rows) * LEADERBOARD_ROUNDS / 3600.0
+  return leaderboard.sweep_seconds(rows) * LEADERBOARD_ROUNDS / 3600.0
 
 
 def main(argv=None) -> None:

@@ -85,6 +85,13 @@ def seconds_per_round(ends: Sequence[float]) -> float | None:
   return (timed[-1] - timed[0]) / (len(timed) - 1) if len(timed) > 1 else None
 
 
+def sweep_seconds(rows: Sequence[Mapping[str, Any]]) -> float:
+  """Seconds per round of the sweeps that ran `rows`, each sweep once: a row
+  holds its sweep's, shared by the settings of its `sweep` (NaN where a row's is
+  unknown)."""
+  return sum((r["seconds_per_round"] or float("nan")) / len(r["sweep"]) for r in rows)
+
+
 def side_by_side(invocations_: Invocations) -> bool:
   """Whether the settings run side by side: their configurations agree but in
   `simulate.PARTITION_FIELDS`, and so do their algorithms and seeds."""
