@@ -1,8 +1,9 @@
 """One GPU benchmark: local training, aggregators, the main job, a leaderboard slice.
 
 Writes `benchmarks/results/gpu.md` (or `--out`): the device, its driver, the
-versions of jax, jaxlib, flax and torch, and four sections, every time measured
-in this run, every ratio against a baseline measured in the same run:
+versions of jax, jaxlib, flax and torch, four sections and the targets, every
+time measured in this run, every ratio against a baseline measured in the same
+run:
 
   training      samples/s of one round of local training (100 samples per
                 client, batches of 10, one epoch of SGD at lr 0.01), for the
@@ -33,6 +34,8 @@ in this run, every ratio against a baseline measured in the same run:
                 and its projection of the whole leaderboard at 2,000 rounds;
                 then FedAvg's and Ditto's settings apart (`--apart`), one after
                 the other as before `sweep_settings`, against side by side.
+  targets       issue 30's targets, each met, not met, or unmeasured and why
+                (a GPU target in a run on a CPU, a section not run).
 
 `--quick` runs every section at tiny sizes (M = 2, 8 samples, the main job 1
 round of one algorithm on 4 clients) in a minute or two on a CPU: a smoke test,
@@ -42,6 +45,9 @@ Usage:
   python benchmarks/gpu.py                                # on a GPU, < 8 minutes
   python benchmarks/gpu.py --sections training --clients 20 100
   python benchmarks/gpu.py --quick --out /tmp/gpu_quick.md
+  # without a GPU (benchmarks/results/gpu.md of 2026-11-27: 2 cores, 24 GB):
+  python benchmarks/gpu.py --sections training aggregators main --clients 20 100 \
+      --aggregator-clients 100
 """
 
 import argparse
@@ -82,12 +88,13 @@ BASELINE = "plain vmap"
 class Sizes:
   """Sizes of a run: full (a GPU) or `--quick` (a smoke run on a CPU)."""
 
-  def __init__(self, quick: bool, clients: list[int] | None):
+  def __init__(self, quick: bool, clients: list[int] | None,
+               aggregator_clients: list[int] | None = None):
     self.quick = quick
     self.clients = clients or ([2] if quick else [20, 100, 1000])
     self.samples, self.batch = (8, 4) if quick else (SAMPLES, BATCH)
     self.min_seconds, self.max_rounds = (0.0, 1) if quick else (1.0, 20)
-    self.aggregator_clients = [4] if quick else [100, 1000]
+    self.aggregator_clients = aggregator_clients or ([4] if quick else [100, 1000])
 
 
 def _time_round(run_round: Callable[[], Any], min_seconds: float,
@@ -328,24 +335,30 @@ def _pflax_run(args: list[str], env: dict[str, str]) -> float:
   return time.perf_counter() - start
 
 
-def main_job_markdown(sizes: Sizes) -> str:
-  """The main job cold (`--no-compilation-cache`), filling an empty cache, and
-  with that cache warm."""
-  job = (["--algorithms", "fedavg", "--rounds", "1", "--clients", "4",
-          "--local-epochs", "1"] if sizes.quick else [])
+def _main_job_args(sizes: Sizes) -> list[str]:
+  return (["--algorithms", "fedavg", "--rounds", "1", "--clients", "4",
+           "--local-epochs", "1"] if sizes.quick else [])
+
+
+def main_job_seconds(sizes: Sizes) -> dict[str, float]:
+  """Seconds of the main job cold (`--no-compilation-cache`), filling an empty
+  cache, and with that cache warm: `{"cold", "filling", "warm"}`."""
   with tempfile.TemporaryDirectory() as tmp:
-    common = [*job, "--no-progress", "--out", os.path.join(tmp, "out")]
+    common = [*_main_job_args(sizes), "--no-progress", "--out", os.path.join(tmp, "out")]
     cache = {"PFLAX_CACHE_DIR": os.path.join(tmp, "cache")}
-    cold = _pflax_run([*common, "--no-compilation-cache"], {})
-    filling = _pflax_run(common, cache)
-    warm = _pflax_run(common, cache)
-  shown = " ".join(job) or "(the defaults)"
+    return {"cold": _pflax_run([*common, "--no-compilation-cache"], {}),
+            "filling": _pflax_run(common, cache),
+            "warm": _pflax_run(common, cache)}
+
+
+def main_job_markdown(sizes: Sizes, seconds: dict[str, float]) -> str:
+  shown = " ".join(_main_job_args(sizes)) or "(the defaults)"
   return "\n".join([
       f"`pflax-run {shown}`, seconds of the whole process:", "",
       "| run | s |", "|---|---:|",
-      f"| cold, `--no-compilation-cache` | {cold:.1f} |",
-      f"| cold, filling an empty compilation cache | {filling:.1f} |",
-      f"| warm compilation cache | {warm:.1f} |"])
+      f"| cold, `--no-compilation-cache` | {seconds['cold']:.1f} |",
+      f"| cold, filling an empty compilation cache | {seconds['filling']:.1f} |",
+      f"| warm compilation cache | {seconds['warm']:.1f} |"])
 
 
 APART_ALGORITHMS = ("fedavg", "ditto")
@@ -368,11 +381,10 @@ def _leaderboard_slice(sizes: Sizes, extra: list[str]) -> dict | str:
     return json.loads(pathlib.Path(path).read_text())
 
 
-def leaderboard_markdown(sizes: Sizes) -> str:
-  """`benchmarks/leaderboard.py --slice`'s rows and projection, then the
-  settings side by side against apart (`--apart`) for `APART_ALGORITHMS`, or
-  why not."""
-  result = _leaderboard_slice(sizes, [])
+def leaderboard_markdown(sizes: Sizes, result: dict | str) -> str:
+  """The slice's rows and projection (`result`, `_leaderboard_slice(sizes, [])`),
+  then the settings side by side against apart (`--apart`) for
+  `APART_ALGORITHMS`, or why not."""
   if isinstance(result, str):
     return result
   lines = ["| algorithm | setting | s / round (its sweep's) |", "|---|---|---:|"]
@@ -389,6 +401,87 @@ def leaderboard_markdown(sizes: Sizes) -> str:
   lines += ["", f"Both settings side by side in one sweep against one after the "
             f"other ({', '.join(APART_ALGORITHMS)}): {together:.3f} against "
             f"{alone:.3f} s per round of both ({alone / together:.2f}x)."]
+  return "\n".join(lines)
+
+
+# Issue 30's targets: `make_trainer` within 1.1x of the plain vmap at M = 20, 100
+# and 1,000 for both models, and samples/s that do not fall from M = 100 to 1,000
+# (on a GPU); the whole leaderboard projected at 2 hours at most (one H100); the
+# main job cold in 25 s on a GPU and 35 s on two CPU cores.
+TRAINER_SLOWDOWN = 1.1
+LEADERBOARD_HOURS = 2.0
+MAIN_JOB_SECONDS = {"gpu": 25.0, "cpu": 35.0}
+TARGET_CLIENTS = (20, 100, 1000)
+
+
+def _verdict(met: bool) -> str:
+  return "met" if met else "**not met**"
+
+
+def _trainer_targets(training: list[dict[str, Any]], impl: str) -> list[str]:
+  """Rows of the trainer targets for `impl` (measured on a GPU)."""
+  round_of = {(r["model"], r["M"], r["impl"]): r["round"] for r in training}
+  slowdowns, falls = [], []
+  for model_name in ("cnn", "mlp"):
+    for m in TARGET_CLIENTS:
+      ours, base = round_of.get((model_name, m, impl)), round_of.get(
+          (model_name, m, BASELINE))
+      if ours is None or base is None:
+        return [f"| `{impl}` within {TRAINER_SLOWDOWN}x of the {BASELINE}, and no fall "
+                f"in samples/s from M = 100 to 1,000 | not every M of "
+                f"{TARGET_CLIENTS} measured | unmeasured |"]
+      slowdowns.append((f"{model_name} {m}", ours / base))
+    # Samples/s from M = 100 to 1,000: 1,000 / round(1,000) against 100 / round(100).
+    falls.append((model_name, 10 * round_of[(model_name, 100, impl)]
+                  / round_of[(model_name, 1000, impl)]))
+  shown = ", ".join(f"{name}: {ratio:.2f}x" for name, ratio in slowdowns)
+  rising = ", ".join(f"{name}: {ratio:.2f}x" for name, ratio in falls)
+  return [f"| `{impl}` within {TRAINER_SLOWDOWN}x of the {BASELINE} (round time "
+          f"against its) | {shown} | "
+          f"{_verdict(all(r <= TRAINER_SLOWDOWN for _, r in slowdowns))} |",
+          f"| `{impl}`: samples/s at M = 1,000 against M = 100 at least 1x | {rising} | "
+          f"{_verdict(all(r >= 1.0 for _, r in falls))} |"]
+
+
+def targets_markdown(backend: str, cores: int, training: list[dict[str, Any]] | None,
+                     main_job: dict[str, float] | None,
+                     projected_hours: float | None) -> str:
+  """Each of issue 30's targets this run could measure, met or not met, with its
+  number; the others unmeasured, saying why (a GPU target on a CPU, a section
+  not run). Cold is both `--no-compilation-cache` and filling an empty cache."""
+  on_gpu = backend == "gpu"
+  lines = ["| target | measured | verdict |", "|---|---|---|"]
+  no_gpu = f"| {{}} | no GPU: this run is on `{backend}` | unmeasured |"
+  for impl in ("pflax vmap", "pflax steps"):
+    if not on_gpu:
+      lines.append(no_gpu.format(f"`{impl}` within {TRAINER_SLOWDOWN}x of the "
+                                 f"{BASELINE}; samples/s not falling from M = 100 to 1,000"))
+    elif training is None:
+      lines.append(f"| `{impl}` against the {BASELINE} | training section not run "
+                   "| unmeasured |")
+    else:
+      lines += _trainer_targets(training, impl)
+  board = f"the whole leaderboard projected at {LEADERBOARD_HOURS:g} hours at most (one H100)"
+  if not on_gpu:
+    lines.append(no_gpu.format(board))
+  elif projected_hours is None:
+    lines.append(f"| {board} | leaderboard section not run or failed | unmeasured |")
+  else:
+    lines.append(f"| {board} | {projected_hours:.2f} hours | "
+                 f"{_verdict(projected_hours <= LEADERBOARD_HOURS)} |")
+  for where, limit in MAIN_JOB_SECONDS.items():
+    on = "a GPU" if where == "gpu" else "two CPU cores"
+    job = f"the main job cold in {limit:g} s at most ({on})"
+    if (where == "gpu") != on_gpu:
+      lines.append(f"| {job} | this run is on `{backend}` | unmeasured |")
+    elif main_job is None:
+      lines.append(f"| {job} | main job section not run | unmeasured |")
+    else:
+      cold = max(main_job["cold"], main_job["filling"])
+      cores_note = "" if on_gpu or cores == 2 else f" (on {cores} cores, not 2)"
+      lines.append(f"| {job} | {main_job['cold']:.1f} s without the cache, "
+                   f"{main_job['filling']:.1f} s filling an empty one{cores_note} | "
+                   f"{_verdict(cold <= limit) if on_gpu or cores == 2 else 'unmeasured'} |")
   return "\n".join(lines)
 
 
@@ -424,6 +517,7 @@ def report(sizes: Sizes, sections: tuple[str, ...]) -> str:
     parts += ["", "`--quick` runs every section at tiny sizes to check that the "
               "benchmark runs: its numbers measure no target, and on a CPU they say "
               "nothing about a GPU. The GPU numbers are unmeasured here."]
+  rows = main_job = projected_hours = None
   if "training" in sections:
     rows = training_rows(sizes)
     parts += ["", "## Local training",
@@ -435,9 +529,16 @@ def report(sizes: Sizes, sections: tuple[str, ...]) -> str:
     parts += ["", "## Aggregators against a device-to-device copy", "",
               aggregator_markdown(sizes)]
   if "main" in sections:
-    parts += ["", "## The main job", "", main_job_markdown(sizes)]
+    main_job = main_job_seconds(sizes)
+    parts += ["", "## The main job", "", main_job_markdown(sizes, main_job)]
   if "leaderboard" in sections:
-    parts += ["", "## PFLlib's leaderboard, a slice", "", leaderboard_markdown(sizes)]
+    result = _leaderboard_slice(sizes, [])
+    projected_hours = result["projected_hours"] if isinstance(result, dict) else None
+    parts += ["", "## PFLlib's leaderboard, a slice", "", leaderboard_markdown(sizes, result)]
+  parts += ["", "## Issue 30's targets", ""]
+  parts += (["`--quick` measures no target."] if sizes.quick else [
+      targets_markdown(jax.default_backend(), train.default_threads(), rows,
+                       main_job, projected_hours)])
   parts += ["", f"The whole benchmark took {time.perf_counter() - started:.0f} s."]
   return "\n".join(parts) + "\n"
 
@@ -449,6 +550,9 @@ def main() -> None:
   parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
   parser.add_argument("--clients", type=int, nargs="+", default=None,
                       help="M of the training section (default: 20 100 1000)")
+  parser.add_argument("--aggregator-clients", type=int, nargs="+", default=None,
+                      help="M of the aggregators section (default: 100 1000; 1,000 "
+                      "stacked CIFAR CNNs need about 28 GB)")
   parser.add_argument("--out", default=None,
                       help="the markdown file to write (default: benchmarks/results/"
                       "gpu.md, with --quick gpu_quick_cpu.md)")
@@ -456,7 +560,8 @@ def main() -> None:
   if args.out is None:
     args.out = ROOT / "benchmarks" / "results" / ("gpu_quick_cpu.md" if args.quick
                                                   else "gpu.md")
-  text = report(Sizes(args.quick, args.clients), tuple(args.sections))
+  text = report(Sizes(args.quick, args.clients, args.aggregator_clients),
+                tuple(args.sections))
   print(text)
   pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
   pathlib.Path(args.out).write_text(text)

@@ -47,7 +47,8 @@ def test_quick_training_section_runs_every_implementation(gpu):
 
 def test_missing_leaderboard_script_is_reported(gpu, monkeypatch, tmp_path):
   monkeypatch.setattr(gpu, "ROOT", tmp_path)
-  assert gpu.leaderboard_markdown(gpu.Sizes(quick=True, clients=None)) == (
+  sizes = gpu.Sizes(quick=True, clients=None)
+  assert gpu.leaderboard_markdown(sizes, gpu._leaderboard_slice(sizes, [])) == (
       "leaderboard.py not found: not measured.")
 
 
@@ -66,11 +67,65 @@ def test_the_leaderboard_section_compares_settings_side_by_side_and_apart(
       row("ditto", "pathological", 0.8, ["pathological"]),
       row("ditto", "dirichlet", 0.8, ["dirichlet"])]}
   calls = []
-  monkeypatch.setattr(gpu, "_leaderboard_slice", lambda sizes, extra: calls.append(
-      extra) or (apart if extra else together))
-  text = gpu.leaderboard_markdown(gpu.Sizes(quick=True, clients=None))
-  assert calls == [[], ["--apart", "--algorithms", "fedavg", "ditto"]]
+  monkeypatch.setattr(gpu, "_leaderboard_slice",
+                      lambda sizes, extra: calls.append(extra) or apart)
+  text = gpu.leaderboard_markdown(gpu.Sizes(quick=True, clients=None), together)
+  assert calls == [["--apart", "--algorithms", "fedavg", "ditto"]]
   assert "| ditto | dirichlet | 1.000 |" in text
   assert "Projected whole leaderboard at 2,000 rounds: 1.50 hours." in text
   # Each sweep once: 0.5 + 1.0 side by side, 0.4 * 2 + 0.8 * 2 apart.
   assert text.endswith("1.500 against 2.400 s per round of both (1.60x).")
+
+
+def _rounds(gpu, slowdown, fall=1.0):
+  """Training rows at every target M: the plain vmap's round 1 s per 100 clients,
+  pflax's `slowdown` times it, and at M = 1,000 its round `fall` times longer."""
+  rows = []
+  for model_name in ("cnn", "mlp"):
+    for m in gpu.TARGET_CLIENTS:
+      base = m / 100
+      rows.append({"model": model_name, "M": m, "impl": gpu.BASELINE, "round": base})
+      ours = base * slowdown * (fall if m == 1000 else 1.0)
+      rows += [{"model": model_name, "M": m, "impl": impl, "round": ours}
+               for impl in ("pflax vmap", "pflax steps")]
+  return rows
+
+
+def _verdicts(text):
+  """`{target cell: verdict cell}` of the targets table."""
+  cells = [line.split(" | ") for line in text.splitlines()[2:]]
+  return {c[0].lstrip("| "): c[-1].rstrip(" |") for c in cells}
+
+
+def test_targets_on_a_gpu_are_judged_from_the_measured_numbers(gpu):
+  fast = {"cold": 20.0, "filling": 24.0, "warm": 9.0}
+  verdicts = _verdicts(gpu.targets_markdown("gpu", 16, _rounds(gpu, 1.05), fast, 1.9))
+  assert len(verdicts) == 7
+  assert sorted(set(verdicts.values())) == ["met", "unmeasured"]
+  assert [t for t, v in verdicts.items() if v == "unmeasured"] == [
+      "the main job cold in 35 s at most (two CPU cores)"]
+  slow = {"cold": 20.0, "filling": 26.0, "warm": 9.0}
+  text = gpu.targets_markdown("gpu", 16, _rounds(gpu, 1.2, fall=1.2), slow, 2.5)
+  assert "cnn 20: 1.20x" in text and "mlp: 0.83x" in text
+  assert list(_verdicts(text).values()).count("**not met**") == 6
+
+
+def test_gpu_targets_are_unmeasured_on_a_cpu_and_the_cpu_target_judged(gpu):
+  job = {"cold": 34.0, "filling": 36.0, "warm": 20.0}
+  verdicts = _verdicts(gpu.targets_markdown("cpu", 2, _rounds(gpu, 1.0), job, 0.5))
+  assert list(verdicts.values()) == ["unmeasured"] * 4 + ["**not met**"]
+  job["filling"] = 33.0
+  text = gpu.targets_markdown("cpu", 2, None, job, None)
+  assert "no GPU: this run is on `cpu`" in text
+  assert _verdicts(text)["the main job cold in 35 s at most (two CPU cores)"] == "met"
+  # Measured on more cores than the target's two: not judged.
+  eight = gpu.targets_markdown("cpu", 8, None, job, None)
+  assert "(on 8 cores, not 2)" in eight
+  assert set(_verdicts(eight).values()) == {"unmeasured"}
+
+
+def test_trainer_targets_need_every_m(gpu):
+  rows = [r for r in _rounds(gpu, 1.0) if r["M"] != 1000]
+  text = gpu.targets_markdown("gpu", 16, rows, None, None)
+  assert "not every M of (20, 100, 1000) measured" in text
+  assert set(_verdicts(text).values()) == {"unmeasured"}
