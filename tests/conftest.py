@@ -11,11 +11,30 @@ import os
 os.environ["FLWR_TELEMETRY_ENABLED"] = "0"
 os.environ["FLWR_DISABLE_UPDATE_CHECK"] = "1"
 
+import atexit
+import shutil
+import tempfile
+
 import jax
 import pytest
 from hypothesis import HealthCheck
 from hypothesis import Phase
 from hypothesis import settings
+
+from pflax._src.cli import runtime
+
+# JAX's persistent compilation cache, in a folder of this test process's own, on
+# from the first test: programs that a module compiled and `jax.clear_caches` then
+# dropped (below) are read back by the later modules that compile them again. The
+# user's cache (`~/.cache/pflax/jax`) is never read or filled: in-process runs of
+# `pflax-run` find this one configured, and those in subprocesses its folder in
+# PFLAX_CACHE_DIR.
+_CACHE = tempfile.mkdtemp(prefix="pflax-tests-jax-cache-")
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+os.environ["PFLAX_CACHE_DIR"] = _CACHE
+jax.config.update("jax_compilation_cache_dir", _CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                  runtime.CACHE_MIN_COMPILE_SECONDS)
 
 _SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large]
 _PHASES = [Phase.explicit, Phase.generate, Phase.shrink]   # explain: minutes
