@@ -26,9 +26,10 @@ run:
                 against a device-to-device copy of the same stacked parameters
                 (`jax.device_put(..., may_alias=False)`), M = 100 and 1,000.
   main job      `pflax-run` (digits, 8 algorithms, 40 rounds) in fresh
-                processes: with `--no-compilation-cache`, then twice with an
-                empty cache directory of its own (the first run fills it, the
-                second finds it warm).
+                processes: with `--no-compilation-cache` (no persistent cache,
+                the run's own in a temporary folder), then twice with an empty
+                cache directory of its own (the first run fills it, the second
+                finds it warm).
   leaderboard   `benchmarks/leaderboard.py --slice --json FILE` (PFLlib's
                 algorithms, 3 seeds, 100 rounds, both settings side by side)
                 and its projection of the whole leaderboard at 2,000 rounds;
@@ -57,6 +58,7 @@ import json
 import os
 import pathlib
 import platform
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -361,7 +363,8 @@ def main_job_markdown(sizes: Sizes, seconds: dict[str, float]) -> str:
   return "\n".join([
       f"`pflax-run {shown}`, seconds of the whole process:", "",
       "| run | s |", "|---|---:|",
-      f"| cold, `--no-compilation-cache` | {seconds['cold']:.1f} |",
+      f"| cold, `--no-compilation-cache` (the run's own temporary cache) "
+      f"| {seconds['cold']:.1f} |",
       f"| cold, filling an empty compilation cache | {seconds['filling']:.1f} |",
       f"| warm compilation cache | {seconds['warm']:.1f} |"])
 
@@ -484,7 +487,7 @@ def targets_markdown(backend: str, cores: int, training: list[dict[str, Any]] | 
     else:
       judged = on_gpu or cores == 2
       slowest = max(main_job["cold"], main_job["filling"])
-      lines.append(f"| {job} | {main_job['cold']:.1f} s without the cache, "
+      lines.append(f"| {job} | {main_job['cold']:.1f} s without the persistent cache, "
                    f"{main_job['filling']:.1f} s filling an empty one"
                    f"{'' if judged else f' (on {cores} cores, not 2)'} | "
                    f"{_verdict(slowest <= limit) if judged else 'unmeasured'} |")
@@ -514,11 +517,13 @@ def _versions() -> list[str]:
           f"torch {torch_version}"]
 
 
-def report(sizes: Sizes, sections: tuple[str, ...]) -> str:
-  """The whole markdown report of the chosen sections."""
+def report(sizes: Sizes, sections: tuple[str, ...], command: str | None = None) -> str:
+  """The whole markdown report of the chosen sections (`command`: the command
+  line that ran it, shown under the date)."""
   started = time.perf_counter()
   parts = ["# pflax on one device" + (" (--quick: a smoke run)" if sizes.quick else ""),
-           "", f"Measured {datetime.date.today().isoformat()}.", "", *_versions()]
+           "", f"Measured {datetime.date.today().isoformat()}"
+           + (f" by `{command}`." if command else "."), "", *_versions()]
   if sizes.quick:
     parts += ["", "`--quick` runs every section at tiny sizes to check that the "
               "benchmark runs: its numbers measure no target, and on a CPU they say "
@@ -567,7 +572,8 @@ def main() -> None:
     args.out = ROOT / "benchmarks" / "results" / ("gpu_quick_cpu.md" if args.quick
                                                   else "gpu.md")
   text = report(Sizes(args.quick, args.clients, args.aggregator_clients),
-                tuple(args.sections))
+                tuple(args.sections), shlex.join(["python", "benchmarks/gpu.py",
+                                                  *sys.argv[1:]]))
   print(text)
   pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
   pathlib.Path(args.out).write_text(text)

@@ -6,13 +6,18 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
+import jax
+from jax.experimental.compilation_cache import compilation_cache as jax_cache
+import jax.numpy as jnp
 import pytest
 
 from pflax import simulate
 from pflax._src.cli import config as cli_config
 from pflax._src.cli import main as cli
 from pflax._src.cli import parser as cli_parser
+from pflax._src.cli import runtime
 from pflax._src.data import datasets
 from pflax._src.simulation import experiment as experiment_lib
 
@@ -162,10 +167,57 @@ def test_persistent_compilation_cache_fills_and_can_be_turned_off(tmp_path):
   subprocess.run(command + ["--out", str(tmp_path / "a")], env=env, check=True,
                  capture_output=True, cwd=REPO)
   assert len(os.listdir(tmp_path / "cache")) > 0
-  off = dict(env, PFLAX_CACHE_DIR=str(tmp_path / "off"))
+  (tmp_path / "tmp").mkdir()
+  off = dict(env, PFLAX_CACHE_DIR=str(tmp_path / "off"), TMPDIR=str(tmp_path / "tmp"))
   subprocess.run(command + ["--out", str(tmp_path / "b"), "--no-compilation-cache"],
                  env=off, check=True, capture_output=True, cwd=REPO)
   assert not (tmp_path / "off").exists()
+  assert not os.listdir(tmp_path / "tmp")   # the run's own cache is removed
+
+
+def test_without_the_persistent_cache_identical_programs_compile_once(
+    tmp_path, monkeypatch):
+  """`--no-compilation-cache`'s cache of the run: a second function with the
+  same program is read from it; it is removed, and no cache left configured."""
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+  monkeypatch.setattr(runtime, "CACHE_MIN_COMPILE_SECONDS", 0.0)
+  configured = jax.config.jax_compilation_cache_dir   # the tests' own (conftest)
+  threshold = jax.config.jax_persistent_cache_min_compile_time_secs
+  jax.config.update("jax_compilation_cache_dir", None)
+  jax_cache.reset_cache()
+  hits = []
+  listener = lambda event, **kw: hits.append(event)
+  jax.monitoring.register_event_listener(listener)
+  try:
+    x = jnp.arange(7.0)
+    with runtime.run_compilation_cache():
+      folder = jax.config.jax_compilation_cache_dir
+      assert os.path.dirname(folder) == str(tmp_path)
+      jax.jit(lambda v: jnp.sin(v) * 3.0 + 1.0)(x).block_until_ready()
+      entries = len(os.listdir(folder))
+      assert entries > 0 and not _cache_hits(hits)
+      jax.jit(lambda v: jnp.sin(v) * 3.0 + 1.0)(x).block_until_ready()
+      assert _cache_hits(hits) == 1 and len(os.listdir(folder)) == entries
+    assert not os.path.exists(folder)
+    assert jax.config.jax_compilation_cache_dir is None
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == threshold
+  finally:
+    jax.monitoring.unregister_event_listener(listener)
+    jax.config.update("jax_compilation_cache_dir", configured)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", threshold)
+    jax_cache.reset_cache()
+
+
+def _cache_hits(events: list[str]) -> int:
+  return sum(event == "/jax/compilation_cache/cache_hits" for event in events)
+
+
+def test_a_configured_cache_is_left_as_it_is():
+  configured = jax.config.jax_compilation_cache_dir
+  assert configured   # the tests' own (conftest)
+  with runtime.run_compilation_cache():
+    assert jax.config.jax_compilation_cache_dir == configured
+  assert jax.config.jax_compilation_cache_dir == configured
 
 
 def test_download_flag_asks_tfds_to_prepare_first(monkeypatch, tmp_path):

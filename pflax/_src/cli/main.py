@@ -7,6 +7,7 @@ published leaderboard's presets, each algorithm a sweep of seeds (`leaderboard`)
 """
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -70,8 +71,9 @@ def _leaderboard(args: argparse.Namespace, given: Collection[str]) -> int:
 
 def _started(invocation: config.Invocation, run: Callable[[], None]) -> int:
   """Checks the run-level flags, starts JAX's runtime as they ask, and calls
-  `run` holding `--out`'s lock; a file that cannot be written is a one-line
-  error."""
+  `run` holding `--out`'s lock (with `--no-compilation-cache`, in a compilation
+  cache of the run's own: `runtime.run_compilation_cache`); a file that cannot
+  be written is a one-line error."""
   checks.check_flags(invocation)
   if invocation.compilation_cache:
     runtime.use_compilation_cache()
@@ -79,8 +81,10 @@ def _started(invocation: config.Invocation, run: Callable[[], None]) -> int:
     runtime.join_hosts(invocation.coordinator_address, invocation.num_processes,
                        invocation.process_id)
   checks.check_device_count(invocation)
+  run_cache = (contextlib.nullcontext() if invocation.compilation_cache
+               else runtime.run_compilation_cache())
   try:
-    with checks.out_lock(invocation.out):
+    with checks.out_lock(invocation.out), run_cache:
       run()
   except OSError as e:  # a full disk, a file that cannot be written
     where = f" {e.filename}" if e.filename else ""

@@ -197,7 +197,8 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
                  help="continue from the checkpoints in --out")
   p.add_argument("--no-compilation-cache", action="store_true",
                  help="do not use JAX's persistent compilation cache (by default "
-                      f"in {runtime.compilation_cache_dir()})")
+                      f"in {runtime.compilation_cache_dir()}); the run keeps one of "
+                      "its own in a temporary folder, removed after it")
   p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 

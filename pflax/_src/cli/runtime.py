@@ -3,11 +3,14 @@ hosts (`jax.distributed`), the `--devices` mesh, and SIGTERM as Ctrl-C."""
 
 import contextlib
 import os
+import shutil
 import signal
+import tempfile
 import threading
 from collections.abc import Iterator
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
 CACHE_MIN_COMPILE_SECONDS = 0.1
 """Programs that compile faster than this are not cached (JAX's threshold)."""
@@ -31,6 +34,35 @@ def use_compilation_cache() -> None:
   jax.config.update("jax_compilation_cache_dir", compilation_cache_dir())
   jax.config.update("jax_persistent_cache_min_compile_time_secs",
                     CACHE_MIN_COMPILE_SECONDS)
+
+
+@contextlib.contextmanager
+def run_compilation_cache() -> Iterator[None]:
+  """JAX's compilation cache in a temporary folder for the duration of the
+  block, removed after it, unless a cache is configured already
+  (`--no-compilation-cache`).
+
+  Nothing is read from a persistent cache or kept after the run, but programs
+  that are identical byte for byte compile once: in the main job, the client
+  training that FedAvg, FedSA and FedReMa share with Local, FedProx's server
+  step and two evaluations (`docs/main-job.md`).
+  """
+  if jax.config.jax_compilation_cache_dir:
+    yield
+    return
+  folder = tempfile.mkdtemp(prefix="pflax-run-jax-cache-")
+  threshold = jax.config.jax_persistent_cache_min_compile_time_secs
+  jax_cache.reset_cache()  # a process that compiled before found no cache
+  jax.config.update("jax_compilation_cache_dir", folder)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                    CACHE_MIN_COMPILE_SECONDS)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_compilation_cache_dir", None)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", threshold)
+    jax_cache.reset_cache()
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def compilation_cache_env() -> dict[str, str]:
