@@ -46,7 +46,7 @@ Usage:
   python benchmarks/gpu.py                                # on a GPU, < 8 minutes
   python benchmarks/gpu.py --sections training --clients 20 100
   python benchmarks/gpu.py --quick --out /tmp/gpu_quick.md
-  # without a GPU (benchmarks/results/gpu.md of 2026-11-27: 2 cores, 24 GB):
+  # without a GPU (benchmarks/results/gpu.md, on 2 cores and 24 GB):
   python benchmarks/gpu.py --sections training aggregators main --clients 20 100 \
       --aggregator-clients 100
 """

@@ -32,9 +32,7 @@ from pflax._src.cli import runtime
 _CACHE = tempfile.mkdtemp(prefix="pflax-tests-jax-cache-")
 atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 os.environ["PFLAX_CACHE_DIR"] = _CACHE
-jax.config.update("jax_compilation_cache_dir", _CACHE)
-jax.config.update("jax_persistent_cache_min_compile_time_secs",
-                  runtime.CACHE_MIN_COMPILE_SECONDS)
+runtime.cache_compilations_in(_CACHE)
 
 _SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large]
 _PHASES = [Phase.explicit, Phase.generate, Phase.shrink]   # explain: minutes

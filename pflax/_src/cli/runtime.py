@@ -26,14 +26,20 @@ def compilation_cache_dir() -> str:
   return os.path.join(base, "pflax", "jax")
 
 
+def cache_compilations_in(folder: str) -> None:
+  """JAX's compilation cache in `folder`, for programs that compile in at least
+  `CACHE_MIN_COMPILE_SECONDS`."""
+  jax.config.update("jax_compilation_cache_dir", folder)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                    CACHE_MIN_COMPILE_SECONDS)
+
+
 def use_compilation_cache() -> None:
   """JAX's persistent compilation cache in `compilation_cache_dir()`, unless one is
   configured already: a rerun of the same configuration skips compilation."""
   if jax.config.jax_compilation_cache_dir:
     return
-  jax.config.update("jax_compilation_cache_dir", compilation_cache_dir())
-  jax.config.update("jax_persistent_cache_min_compile_time_secs",
-                    CACHE_MIN_COMPILE_SECONDS)
+  cache_compilations_in(compilation_cache_dir())
 
 
 @contextlib.contextmanager
@@ -53,9 +59,7 @@ def run_compilation_cache() -> Iterator[None]:
   folder = tempfile.mkdtemp(prefix="pflax-run-jax-cache-")
   threshold = jax.config.jax_persistent_cache_min_compile_time_secs
   jax_cache.reset_cache()  # a process that compiled before found no cache
-  jax.config.update("jax_compilation_cache_dir", folder)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs",
-                    CACHE_MIN_COMPILE_SECONDS)
+  cache_compilations_in(folder)
   try:
     yield
   finally:
