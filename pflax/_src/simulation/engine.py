@@ -833,11 +833,14 @@ def _phase(plan: Plan, groups: groups_lib.Groups, epochs: int,
   `step(plan, groups, carry, feds, seed, *args, train)` is one run's. Returns
   `phase(values, carry, feds, seeds, *args)` over a leading run axis (`args`
   shared by the runs): for "vmap" and "map" `step` vmapped over runs, one
-  jitted program; for "loop" the clients of all runs trained by the threaded
-  loop between `step`'s first and last steps of all runs (`_LOOP_STEPS`), each
-  as two programs: the runs' draws (`shared_draws`) and their inputs, and the
-  uploads' checks (`shared_checks`) and the server's update. The draws and the
-  checks are shared by the algorithms of a federation: compiled once.
+  jitted program (a single run's called without the run axis: XLA-GPU lays
+  out a size-1 run axis around the clients' with a transposing update and a
+  copy of the dense weights every local step; docs/performance.md); for
+  "loop" the clients of all runs trained by the threaded loop between
+  `step`'s first and last steps of all runs (`_LOOP_STEPS`), each as two
+  programs: the runs' draws (`shared_draws`) and their inputs, and the
+  uploads' checks (`shared_checks`) and the server's update. The draws and
+  the checks are shared by the algorithms of a federation: compiled once.
   """
   trainers = [_client_trainer(plan, epochs, g) for g in range(len(groups.members))]
   per_run = lambda fn, extra: jax.vmap(fn, (0, 0, 0, 0) + (None,) * len(extra))
@@ -849,8 +852,14 @@ def _phase(plan: Plan, groups: groups_lib.Groups, epochs: int,
                                          plan.strategy)(*c)
                      for trainer, c in zip(trainers, clients))
       return step(plan, plan.build(value), carry, feds, seed, *args, train=train)
-    return jax.jit(lambda values, carry, feds, seeds, *args: per_run(whole, args)(
-        values, carry, feds, seeds, *args))
+
+    def over_runs(values, carry, feds, seeds, *args):
+      if values.shape[0] == 1:
+        first = lambda tree: jax.tree.map(lambda a: a[0], tree)
+        out = whole(values[0], first(carry), first(feds), seeds[0], *args)
+        return jax.tree.map(lambda a: a[None], out)
+      return per_run(whole, args)(values, carry, feds, seeds, *args)
+    return jax.jit(over_runs)
 
   steps = _LOOP_STEPS[step]
   draws_of = shared_draws(steps.draw, schedule(plan, groups))

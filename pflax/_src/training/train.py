@@ -136,6 +136,33 @@ def _client_schedule(valid: chex.Array, key: chex.PRNGKey, *, epochs: int,
   return index, real, _step_keys(step_key, epochs, _num_steps(valid.shape[0], batch_size))
 
 
+def _fully_unrolled(scan_unroll: int | bool, steps: int) -> bool:
+  """Whether a `lax.scan` of `steps` steps with this `unroll` leaves no loop."""
+  return scan_unroll is True or (scan_unroll is not False and scan_unroll >= steps)
+
+
+def _carried_flags(active: chex.Array) -> tuple[chex.Array, chex.Array]:
+  """The first step's flags and, for every step, the next step's (the last wraps).
+
+  The local-step loops carry whether the current step holds a real sample
+  (`active`, `(E * S, ...)`) from one step to the next, instead of computing it
+  from the step's own batch: the same values, but a flag that enters the step
+  as a loop-carried value lets XLA-GPU fuse the `where(active, new, old)` of
+  each weight into the epilogue of the matmul that computes its gradient,
+  where a flag computed from the step's inputs leaves a separate pass over the
+  weights (`benchmarks/trainer_hlo.py --target h100`; docs/performance.md). A
+  fully unrolled schedule (`_scan_unroll`: XLA-CPU's convolutions) has no loop,
+  and computes the flag from the batch: XLA-CPU compiles that faster (1.1
+  against 1.5 s for the FedAvg CNN's ten steps).
+
+  Example:
+    >>> first, following = _carried_flags(jnp.array([True, True, False]))
+    >>> first.item(), following.tolist()
+    (True, [True, False, True])
+  """
+  return active[0], jnp.roll(active, -1, axis=0)
+
+
 class ClientResult(NamedTuple):
   """Output of one client's local training."""
   params: types.Tree
@@ -159,22 +186,27 @@ def train_client(loss_fn: LossFn, optimizer: optax.GradientTransformation,
   index, real, keys = _client_schedule(valid, key, epochs=epochs, batch_size=batch_size)
   grad_fn = jax.value_and_grad(loss_fn)
 
+  first_batch = Batch(x[index[0]], y[index[0]], real[0])
+  convolutional = lambda: _has_convolution(grad_fn, params, context, first_batch, keys[0])
+  scan_unroll = _scan_unroll(unroll, index.shape[0], convolutional)
+  unrolled = _fully_unrolled(scan_unroll, index.shape[0])
+
   def step(carry, inputs):
-    params, opt_state = carry
-    idx, mask, k = inputs
+    params, opt_state, carried = carry
+    idx, mask, k, next_active = inputs
+    active = jnp.any(mask) if unrolled else carried
     loss, grads = grad_fn(params, context, Batch(x[idx], y[idx], mask), k)
     updates, new_opt_state = optimizer.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
-    active = jnp.any(mask)
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(active, a, b), new, old)
-    return (keep(new_params, params), keep(new_opt_state, opt_state)), (
-        jnp.where(active, loss, 0.0), active)
+    carry = (keep(new_params, params), keep(new_opt_state, opt_state), next_active)
+    return carry, jnp.where(active, loss, 0.0)
 
-  first_batch = Batch(x[index[0]], y[index[0]], real[0])
-  convolutional = lambda: _has_convolution(grad_fn, params, context, first_batch, keys[0])
-  (params, opt_state), (losses, active) = jax.lax.scan(
-      jax.checkpoint(step) if remat else step, (params, opt_state), (index, real, keys),
-      unroll=_scan_unroll(unroll, index.shape[0], convolutional))
+  active = jnp.any(real, axis=-1)
+  first, following = _carried_flags(active)
+  (params, opt_state, _), losses = jax.lax.scan(
+      jax.checkpoint(step) if remat else step, (params, opt_state, first),
+      (index, real, keys, following), unroll=scan_unroll)
   mean_loss = jnp.sum(losses) / jnp.maximum(jnp.sum(active), 1)
   return ClientResult(params, opt_state, mean_loss)
 
@@ -234,14 +266,15 @@ def _stepwise(loss_fn: LossFn, optimizer: optax.GradientTransformation, *, epoch
     where = lambda a, b: jnp.where(active.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
     return jax.tree.map(where, new, old)
 
-  def step(carry, inputs):
-    params, opt_state = carry
-    batch, k, context = inputs
-    active = jnp.any(batch.mask, axis=1)
+  def step(carry, inputs, unrolled):
+    params, opt_state, carried = carry
+    batch, k, next_active, context = inputs
+    active = jnp.any(batch.mask, axis=-1) if unrolled else carried
     loss, grads = grad_fn(params, context, batch, k)
     updates, new_opt_state = update(grads, opt_state, params)
     new = (optax.apply_updates(params, updates), new_opt_state)
-    return keep(active, new, (params, opt_state)), (jnp.where(active, loss, 0.0), active)
+    carry = (*keep(active, new, (params, opt_state)), next_active)
+    return carry, jnp.where(active, loss, 0.0)
 
   def train(params, opt_state, context, x, y, valid, keys):
     schedule = functools.partial(_client_schedule, epochs=epochs, batch_size=batch_size)
@@ -254,10 +287,14 @@ def _stepwise(loss_fn: LossFn, optimizer: optax.GradientTransformation, *, epoch
     convolutional = lambda: _has_convolution(
         loss_fn, first_client(params), first_client(context),
         first_client(first_client(batches)), step_keys[0, 0])
-    body = lambda carry, inputs: step(carry, (*inputs, context))
-    (params, opt_state), (losses, active) = jax.lax.scan(
-        body, (params, opt_state), (batches, steps_first(step_keys)),
-        unroll=_scan_unroll(unroll, index.shape[1], convolutional))
+    scan_unroll = _scan_unroll(unroll, index.shape[1], convolutional)
+    unrolled = _fully_unrolled(scan_unroll, index.shape[1])
+    body = lambda carry, inputs: step(carry, (*inputs, context), unrolled)
+    active = jnp.any(batches.mask, axis=-1)
+    first, following = _carried_flags(active)
+    (params, opt_state, _), losses = jax.lax.scan(
+        body, (params, opt_state, first), (batches, steps_first(step_keys), following),
+        unroll=scan_unroll)
     losses, active = losses.T, active.T  # (M, E * S), the reductions of the vmap
     mean_loss = jnp.sum(losses, axis=1) / jnp.maximum(jnp.sum(active, axis=1), 1)
     return ClientResult(params, opt_state, mean_loss)
