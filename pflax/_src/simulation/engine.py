@@ -855,9 +855,8 @@ def _phase(plan: Plan, groups: groups_lib.Groups, epochs: int,
 
     def over_runs(values, carry, feds, seeds, *args):
       if values.shape[0] == 1:
-        first = lambda tree: jax.tree.map(lambda a: a[0], tree)
-        out = whole(values[0], first(carry), first(feds), seeds[0], *args)
-        return jax.tree.map(lambda a: a[None], out)
+        (run,) = tree_lib.unstack((values, carry, feds, seeds))
+        return tree_lib.stack([whole(*run, *args)])
       return per_run(whole, args)(values, carry, feds, seeds, *args)
     return jax.jit(over_runs)
 
