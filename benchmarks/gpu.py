@@ -35,6 +35,15 @@ run:
                 and its projection of the whole leaderboard at 2,000 rounds;
                 then FedAvg's and Ditto's settings apart (`--apart`), one after
                 the other as before `sweep_settings`, against side by side.
+  runs          a round of a sweep of 3 seeds (FedAvg, the CNN, 20 clients of
+                1,000 samples, 750 to train on: 75 steps of B = 10, one epoch,
+                strategy "vmap"): the clients
+                of all runs trained on one client axis (pflax's layout), each
+                run's clients on their own axis inside a vmap over runs (the
+                layout before, and on a mesh), and one run of the S x 20
+                clients (the baseline: the same local steps at once).
+                (More than `train.MAX_FULL_UNROLL` steps: a rolled loop on any
+                backend, as on a GPU.)
   targets       issue 30's targets, each met, not met, or unmeasured and why
                 (a GPU target in a run on a CPU, a section not run).
 
@@ -52,6 +61,7 @@ Usage:
 """
 
 import argparse
+import dataclasses
 import datetime
 import importlib.util
 import json
@@ -83,7 +93,7 @@ from pflax import train  # pylint: disable=g-import-not-at-top,wrong-import-posi
 
 SAMPLES, BATCH, LR, CLASSES = 100, 10, 0.01, 10
 INPUT_SHAPES = {"cnn": (28, 28, 1), "mlp": (784,)}
-SECTIONS = ("training", "aggregators", "main", "leaderboard")
+SECTIONS = ("training", "aggregators", "main", "leaderboard", "runs")
 BASELINE = "plain vmap"
 
 
@@ -412,6 +422,77 @@ def leaderboard_markdown(sizes: Sizes, result: dict | str) -> str:
   return "\n".join(lines)
 
 
+RUN_LAYOUTS = {"one client axis": True, "a client axis per run": False}
+"""The layouts of the runs section: `engine.Plan.merge_runs`."""
+
+
+def sweep_grid(config: Any, seeds: list[int], dataset: Any, merge_runs: bool,
+               algorithm: str = "fedavg") -> Any:
+  """The sweep of `seeds` of `algorithm` under `config` (a `simulate` grid:
+  programs built, inputs placed, nothing compiled), its clients laid out by
+  `merge_runs` (`engine.Plan.merge_runs`)."""
+  from pflax import simulate  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  from pflax._src.simulation import engine  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  from pflax._src.simulation import simulate as simulate_lib  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  setups = {(None, s): simulate.prepare(config, s, dataset=dataset) for s in seeds}
+  grid = simulate_lib._Grid(algorithm, config, seeds, None, (), setups, None)  # pylint: disable=protected-access
+  grid.programs = engine.build_programs(dataclasses.replace(grid.plan,
+                                                            merge_runs=merge_runs))
+  return grid
+
+
+def runs_setting(sizes: Sizes, runs: int | None = None, clients: int | None = None
+                 ) -> tuple[int, int, Any, Any]:
+  """`(S, M, config, dataset)` of the runs section: S seeds (default 3) of M
+  clients (default 20) of the CNN (strategy "vmap"), each with the same number
+  of samples of a synthetic dataset large enough for one run of S x M clients."""
+  from pflax import data  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  from pflax import simulate  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  default_runs, default_m, samples = (2, 2, 8) if sizes.quick else (3, 20, 1000)
+  runs, m = runs or default_runs, clients or default_m
+  rng = np.random.default_rng(0)
+  n = 2 * runs * m * samples
+  dataset = data.from_arrays(rng.normal(size=(n, *INPUT_SHAPES["cnn"])).astype(np.float32),
+                             rng.integers(0, CLASSES, n))
+  config = simulate.ExperimentConfig(clients=m, model="cnn", strategy="vmap",
+                                     local_epochs=1, batch_size=sizes.batch,
+                                     samples_per_client=samples, lr=LR)
+  return runs, m, config, dataset
+
+
+def runs_cases(runs: int, m: int) -> list[tuple[str, int, int, bool]]:
+  """`(layout, S, M, merge_runs)`: S runs of M clients in each of `RUN_LAYOUTS`,
+  then one run of S x M clients."""
+  return ([(layout, runs, m, merge) for layout, merge in RUN_LAYOUTS.items()]
+          + [("one run", 1, runs * m, True)])
+
+
+def runs_rows(sizes: Sizes) -> list[dict[str, Any]]:
+  """Rows `{layout, runs, M, round, compile}` of the runs section (`runs_cases`)."""
+  runs, m, config, dataset = runs_setting(sizes)
+  rows = []
+  for layout, s, clients, merge in runs_cases(runs, m):
+    grid = sweep_grid(dataclasses.replace(config, clients=clients), list(range(s)),
+                      dataset, merge)
+    carry = grid.start()
+    rows.append({"layout": layout, "runs": s, "M": clients,
+                 **_time_round(lambda: grid.round(carry, 0), sizes.min_seconds,
+                               sizes.max_rounds)})
+    print(f"runs {layout} {s} x {clients}: {rows[-1]['round']:.4f} s", file=sys.stderr)
+    jax.clear_caches()
+  return rows
+
+
+def runs_markdown(rows: list[dict[str, Any]]) -> str:
+  """Each layout's round and its ratio to one run of all the clients."""
+  base = next(r["round"] for r in rows if r["runs"] == 1)
+  lines = ["| layout | runs x clients | s / round | / one run of all clients | compile s |",
+           "|---|---|---:|---:|---:|"]
+  lines += [f"| {r['layout']} | {r['runs']} x {r['M']} | {r['round']:.4f} | "
+            f"{r['round'] / base:.2f}x | {r['compile']:.1f} |" for r in rows]
+  return "\n".join(lines)
+
+
 # Issue 30's targets: `make_trainer` within 1.1x of the plain vmap at M = 20, 100
 # and 1,000 for both models, and samples/s that do not fall from M = 100 to 1,000
 # (on a GPU); the whole leaderboard projected at 2 hours at most (one H100); the
@@ -546,6 +627,11 @@ def report(sizes: Sizes, sections: tuple[str, ...], command: str | None = None) 
     result = _leaderboard_slice(sizes, [])
     projected_hours = result["projected_hours"] if isinstance(result, dict) else None
     parts += ["", "## PFLlib's leaderboard, a slice", "", leaderboard_markdown(sizes, result)]
+  if "runs" in sections:
+    parts += ["", "## A sweep's runs side by side", "",
+              "FedAvg's round, the CNN, one epoch in batches of "
+              f"{sizes.batch}, strategy \"vmap\"; ratios against one run of all the "
+              "clients.", "", runs_markdown(runs_rows(sizes))]
   parts += ["", "## Issue 30's targets", ""]
   parts += (["`--quick` measures no target."] if sizes.quick else [
       targets_markdown(jax.default_backend(), train.default_threads(), rows,

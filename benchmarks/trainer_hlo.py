@@ -10,7 +10,8 @@ its optimized HLO read:
   and copies) and the bytes they move by a simple model, each kernel's output
   plus its distinct operands, where an operand of a gather or dynamic slice
   counts at most the output's size (it reads what it writes); the ratio of
-  these bytes to the plain vmap's;
+  these bytes to the baseline's (the plain vmap; with `--round`, one run of
+  all the clients);
 - the whole program's gathers, scatters, while loops, sorts, dynamic slices,
   selects, copies and conditionals.
 
@@ -25,12 +26,19 @@ matmuls with fused epilogues), where a GPU may pick others by measuring.
 `precision`); `--runs R` vmaps them over R runs of M clients, as a sweep's
 round program does, against the plain vmap of the R x M clients.
 
+`--round ALGORITHM` compiles instead the engine's round of a sweep of `--runs`
+seeds (default 3) of the CNN (M clients of 1,000 samples, `gpu.runs_setting`)
+in both layouts of its clients (`gpu.RUN_LAYOUTS`: the runs' clients on one
+axis, or each run's on its own inside the vmap over runs) against one run of
+the runs x M clients.
+
 Usage:
   python benchmarks/trainer_hlo.py                  # default backend, M = 8
   python benchmarks/trainer_hlo.py --target h100 --clients 20 100 1000
   python benchmarks/trainer_hlo.py --target h100 --clients 100 --precision bf16
   python benchmarks/trainer_hlo.py --target h100 --clients 20 --models cnn --runs 3
   python benchmarks/trainer_hlo.py --clients 100 --models cnn --dump DIR
+  python benchmarks/trainer_hlo.py --target h100 --clients 20 --round fedavg ditto
 """
 
 import argparse
@@ -173,7 +181,7 @@ def _over_runs(fn: Any, args: tuple[Any, ...], runs: int) -> tuple[Any, tuple[An
 def programs(model_name: str, m: int, precision: str = "float32", runs: int | None = None
              ) -> dict[str, tuple[Any, tuple[Any, ...]]]:
   """`{name: (jitted function, arguments)}` of the three programs, pflax's in
-  `precision` (`make_trainer`'s), the plain vmap's in float32.
+  `precision` (`make_trainer`'s), the plain vmap's in float32, the baseline last.
 
   With `runs`, pflax's trainers are vmapped over that many runs of M clients
   (`_over_runs`) and the plain vmap trains their `runs * M` clients on one
@@ -210,6 +218,21 @@ def programs(model_name: str, m: int, precision: str = "float32", runs: int | No
   return out
 
 
+def round_programs(algorithm: str, m: int, runs: int | None
+                   ) -> dict[str, tuple[Any, tuple[Any, ...]]]:
+  """`{layout: (round program, arguments)}` of `algorithm`'s sweep round in each
+  of `gpu.runs_cases` (the arguments' shapes and dtypes)."""
+  sizes = gpu.Sizes(quick=False, clients=[m])
+  runs, m, config, dataset = gpu.runs_setting(sizes, runs, m)
+  out = {}
+  for layout, s, clients, merge in gpu.runs_cases(runs, m):
+    grid = gpu.sweep_grid(gpu.dataclasses.replace(config, clients=clients),
+                          list(range(s)), dataset, merge, algorithm)
+    args = (grid.values, grid.template(), grid.feds, grid.seeds, jnp.int32(0))
+    out[f"{algorithm} {layout} ({s} x {clients})"] = (grid.programs.round, args)
+  return out
+
+
 def h100_device() -> Any:
   """A compile-only H100 SXM (`H100_SXM`) from jax's CUDA plugin; no GPU needed."""
   from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
@@ -229,7 +252,7 @@ def compiled_text(fn: Any, args: tuple[Any, ...], device: Any | None) -> str:
   if device is None:
     return jax.jit(fn).lower(*args).compile().as_text()
   sharding = jax.sharding.SingleDeviceSharding(device)
-  abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+  abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), a.dtype,
                                                          sharding=sharding), args)
   lowered = jax.jit(fn).trace(*abstract).lower(lowering_platforms=("cuda",))
   return lowered.compile().as_text()
@@ -248,6 +271,9 @@ def main() -> None:
   parser.add_argument("--runs", type=int, default=None,
                       help="vmap pflax's trainers over this many runs of M clients (a "
                            "sweep's layout); the plain vmap trains their runs x M clients")
+  parser.add_argument("--round", nargs="+", default=None, metavar="ALGORITHM",
+                      help="compile these algorithms' sweep rounds (the CNN, --runs "
+                           "seeds of M clients) in both client layouts instead")
   parser.add_argument("--dump", default=None, help="also write each program's HLO here")
   args = parser.parse_args()
   if args.target == "h100":
@@ -255,26 +281,27 @@ def main() -> None:
   device = h100_device() if args.target == "h100" else None
   where = "an H100 SXM (compile-only)" if device else f"backend {jax.default_backend()}"
   print(f"{where}, jax {jax.__version__}, rolled loop, pflax in {args.precision}\n")
-  print("| model | M | program | kernels per step | MB per step | vs plain vmap | "
+  print("| model | M | program | kernels per step | MB per step | vs baseline | "
         + " | ".join(PROGRAM_OPS) + " |")
   print("|---|---:|---|---:|---:|---:|" + "---:|" * len(PROGRAM_OPS))
-  for model_name in args.models:
-    for m in args.clients:
-      rows = {}
-      for name, (fn, fn_args) in programs(model_name, m, args.precision,
-                                          args.runs).items():
-        hlo = compiled_text(fn, fn_args, device)
-        if args.dump:
-          path = pathlib.Path(args.dump) / f"{model_name}_{m}_{name.replace(' ', '_')}.hlo"
-          path.parent.mkdir(parents=True, exist_ok=True)
-          path.write_text(hlo)
-        rows[name] = (step_traffic(hlo), _ops(hlo))
-      base = rows[gpu.BASELINE][0][1]
-      for name, ((kernels, traffic), whole) in rows.items():
-        print(f"| {model_name} | {m} | {name} | {kernels} | {traffic / 1e6:,.1f} | "
-              f"{traffic / base:.2f}x | "
-              + " | ".join(str(whole[op]) for op in PROGRAM_OPS) + " |")
-
+  cases = ([(f"{a} round", m, round_programs(a, m, args.runs)) for a in args.round
+            for m in args.clients] if args.round else
+           [(model_name, m, programs(model_name, m, args.precision, args.runs))
+            for model_name in args.models for m in args.clients])
+  for model_name, m, compiled in cases:
+    rows = {}
+    for name, (fn, fn_args) in compiled.items():
+      hlo = compiled_text(fn, fn_args, device)
+      if args.dump:
+        path = pathlib.Path(args.dump) / f"{model_name}_{m}_{name.replace(' ', '_')}.hlo"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(hlo)
+      rows[name] = (step_traffic(hlo), _ops(hlo))
+    base = list(rows.values())[-1][0][1]  # the baseline, last
+    for name, ((kernels, traffic), whole) in rows.items():
+      print(f"| {model_name} | {m} | {name} | {kernels} | {traffic / 1e6:,.1f} | "
+            f"{traffic / base:.2f}x | "
+            + " | ".join(str(whole[op]) for op in PROGRAM_OPS) + " |")
 
 if __name__ == "__main__":
   main()

@@ -45,6 +45,18 @@ def test_quick_training_section_runs_every_implementation(gpu):
   _check_rows(gpu, rows, sizes, gpu.training_impls(), ("cnn", "mlp"))
 
 
+def test_runs_section_compares_both_layouts_with_one_run_of_all_clients(gpu):
+  assert gpu.runs_cases(3, 20) == [("one client axis", 3, 20, True),
+                                   ("a client axis per run", 3, 20, False),
+                                   ("one run", 1, 60, True)]
+  rows = [{"layout": layout, "runs": s, "M": m, "round": seconds, "compile": 1.0}
+          for (layout, s, m, _), seconds in zip(gpu.runs_cases(3, 20), (0.5, 0.6, 0.4))]
+  table = gpu.runs_markdown(rows).splitlines()
+  assert table[2:] == ["| one client axis | 3 x 20 | 0.5000 | 1.25x | 1.0 |",
+                       "| a client axis per run | 3 x 20 | 0.6000 | 1.50x | 1.0 |",
+                       "| one run | 1 x 60 | 0.4000 | 1.00x | 1.0 |"]
+
+
 def test_missing_leaderboard_script_is_reported(gpu, monkeypatch, tmp_path):
   monkeypatch.setattr(gpu, "ROOT", tmp_path)
   sizes = gpu.Sizes(quick=True, clients=None)

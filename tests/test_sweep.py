@@ -3,7 +3,10 @@
 import dataclasses
 import logging
 
+import chex
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -11,6 +14,7 @@ from pflax import data
 from pflax import simulate
 from pflax import train
 from pflax._src.methods.algorithm import EVALUATED
+from pflax._src.simulation import engine
 from pflax._src.simulation import sharding
 from pflax._src.simulation import simulate as simulate_lib
 
@@ -214,3 +218,57 @@ def test_sharded_loop_strategy_is_rejected():
     sharding.strategy("loop", sharded=True)
   assert sharding.strategy("auto", sharded=True) == "vmap"
   assert sharding.strategy("auto") == train.default_strategy()
+
+
+def _linear_trainer(value, w, context, x):
+  """A client's "training": a value-scaled linear map, a dot with the client's weights."""
+  return {"out": value * (x @ w) + (0.0 if context is None else context),
+          "norm": jnp.sum(w * w)}
+
+
+def _dot_batch_dims(jaxpr):
+  """The number of batch dimensions of each dot of a jaxpr, nested jaxprs included."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      yield len(eqn.params["dimension_numbers"][1][0])
+    for param in eqn.params.values():
+      inner = getattr(param, "jaxpr", param)
+      if hasattr(inner, "eqns"):
+        yield from _dot_batch_dims(inner)
+
+
+@pytest.mark.parametrize("strategy", ["vmap", "map"])
+@pytest.mark.parametrize("context_batched", [True, False])
+def test_runs_train_on_one_client_axis(strategy, context_batched):
+  # Issue 30: vmapped over runs, a round's local training takes the S x C clients of
+  # all runs on one client axis (one batch dimension in every dot), with the results
+  # of a vmap over runs of each run's vmap over clients (two batch dimensions).
+  runs, clients = 3, 4
+  rng = np.random.default_rng(0)
+  values = jnp.asarray([0.5, 1.0, 2.0], jnp.float32)
+  w = jnp.asarray(rng.normal(size=(runs, clients, 5, 2)), jnp.float32)
+  x = jnp.asarray(rng.normal(size=(runs, clients, 7, 5)), jnp.float32)
+  context = jnp.asarray(rng.normal(size=(runs, clients, 7, 2)) if context_batched
+                        else rng.normal(size=(clients, 7, 2)), jnp.float32)
+  in_axes = (0, 0, 0 if context_batched else None, 0)
+  merged = jax.vmap(engine._runs_on_one_axis(_linear_trainer, strategy), in_axes)
+  nested = jax.vmap(engine._one_run(_linear_trainer, strategy), in_axes)
+  got, expected = merged(values, w, context, x), nested(values, w, context, x)
+  chex.assert_trees_all_close(got, expected, rtol=1e-6)
+  chex.assert_trees_all_equal_shapes(got, expected)
+  for run in range(runs):  # each run alone, without the run axis
+    run_context = context[run] if context_batched else context
+    alone = engine._runs_on_one_axis(_linear_trainer, strategy)(values[run], w[run],
+                                                                 run_context, x[run])
+    chex.assert_trees_all_close(jax.tree.map(lambda a: a[run], got), alone, rtol=1e-6)
+  if strategy == "vmap":
+    dims = lambda fn: set(_dot_batch_dims(jax.make_jaxpr(fn)(values, w, context, x).jaxpr))
+    assert dims(merged) == {1} and dims(nested) == {2}
+
+
+def test_runs_merge_their_clients_unless_the_clients_are_split_over_devices(setups):
+  grid = lambda mesh: simulate_lib._Grid(  # pylint: disable=protected-access
+      "fedavg", CONFIG, list(SEEDS), None, (), {(None, s): setups[s] for s in SEEDS}, mesh)
+  mesh = jax.make_mesh((1,), ("clients",), axis_types=(jax.sharding.AxisType.Auto,))
+  assert grid(None).plan.merge_runs
+  assert not grid(mesh).plan.merge_runs

@@ -28,7 +28,8 @@ every architecture group.
 
 Several runs (seeds, values of a swept hyperparameter) are that round mapped
 over a leading run axis (`_phase`): with the client mapping "vmap" or "map" a
-round of all runs is `round_step` vmapped over runs, one program; with "loop"
+round of all runs is `round_step` vmapped over runs, one program, whose local
+training takes the clients of all runs on one client axis; with "loop"
 (the default on CPU, where vmapped clients train slower than a loop) the
 clients of all runs are one client axis of the threaded loop, between
 `round_step`'s first step of all runs and its last step, each two programs:
@@ -108,6 +109,10 @@ class Plan:
     output: selector of the models' output layer (`pflax.models.Parts`), whose
       norms every evaluation reports.
     precision: local training's compute precision (`pflax.train.with_precision`).
+    merge_runs: whether a sweep's round with the client mapping "vmap" or
+      "map" trains the clients of all its runs on one client axis
+      (`_runs_on_one_axis`), or each run's on its own (False: on a mesh,
+      where the client axis is split over the devices, `pflax.simulate`).
   """
   build: Callable[[chex.Numeric | None], groups_lib.Groups]
   num_clients: int
@@ -122,6 +127,7 @@ class Plan:
   outlier_factor: float | None = faults_lib.OUTLIER_FACTOR
   precision: str = "float32"
   poisson: bool = False
+  merge_runs: bool = True
 
   @property
   def scale(self) -> float:
@@ -825,6 +831,42 @@ def _client_trainer(plan: Plan, epochs: int, g: int
   return train_one
 
 
+def _one_run(trainer: Callable[..., train_lib.ClientResult], strategy: str
+             ) -> Callable[..., train_lib.ClientResult]:
+  """`train(value, *clients)`: a group's stacked training clients of one run,
+  mapped with `strategy` (`pflax.train.map_clients`), `trainer(value, *client)`
+  each."""
+  return lambda value, *clients: mapping.map_clients(
+      functools.partial(trainer, value), strategy)(*clients)
+
+
+def _runs_on_one_axis(trainer: Callable[..., train_lib.ClientResult], strategy: str
+                      ) -> Callable[..., train_lib.ClientResult]:
+  """`_one_run(trainer, strategy)`, which, vmapped over runs, trains the runs'
+  clients on one client axis.
+
+  The vmap over runs (`_phase`) would otherwise nest around the vmap over
+  clients, and XLA-GPU lays out the two batch axes of a vmapped convolution
+  with extra copies: the FedAvg CNN's round of 3 seeds of PFLlib's 20 clients
+  moved 1.21x the bytes per local step of one run of their 60 clients
+  (docs/performance.md). Merging the axes is a reshape (`_merge_runs`) and
+  every client trains alone, so the results are those of the nested vmap;
+  each client takes its run's `value`.
+  """
+  train = jax.custom_batching.custom_vmap(_one_run(trainer, strategy))
+
+  @train.def_vmap
+  def train_runs(runs, batched, value, *clients):
+    every_run = lambda a, b: a if b else jnp.broadcast_to(a, (runs, *jnp.shape(a)))
+    value, clients = jax.tree.map(every_run, (value, clients),
+                                  (batched[0], tuple(batched[1:])))
+    values = jnp.repeat(value, jax.tree.leaves(clients)[0].shape[1])
+    merged = mapping.map_clients(trainer, strategy)(values, *_merge_runs(clients))
+    results = _split_runs(merged, runs)
+    return results, jax.tree.map(lambda _: True, results)
+  return train
+
+
 def _phase(plan: Plan, groups: groups_lib.Groups, epochs: int,
            step: Callable[..., Carry | tuple[Carry, RoundMetrics]]
            ) -> Callable[..., Carry | tuple[Carry, RoundMetrics]]:
@@ -833,9 +875,11 @@ def _phase(plan: Plan, groups: groups_lib.Groups, epochs: int,
   `step(plan, groups, carry, feds, seed, *args, train)` is one run's. Returns
   `phase(values, carry, feds, seeds, *args)` over a leading run axis (`args`
   shared by the runs): for "vmap" and "map" `step` vmapped over runs, one
-  jitted program (a single run's called without the run axis: XLA-GPU lays
-  out a size-1 run axis around the clients' with a transposing update and a
-  copy of the dense weights every local step; docs/performance.md); for
+  jitted program, whose local training takes the clients of all runs on one
+  client axis (`_runs_on_one_axis`, where `plan.merge_runs`); a single run's
+  is called without the run axis (XLA-GPU lays out a size-1 run axis around
+  the clients' with a transposing update and a copy of the dense weights
+  every local step; docs/performance.md); for
   "loop" the clients of all runs trained by the threaded loop between
   `step`'s first and last steps of all runs (`_LOOP_STEPS`), each as two
   programs: the runs' draws (`shared_draws`) and their inputs, and the
@@ -846,11 +890,12 @@ def _phase(plan: Plan, groups: groups_lib.Groups, epochs: int,
   per_run = lambda fn, extra: jax.vmap(fn, (0, 0, 0, 0) + (None,) * len(extra))
 
   if plan.strategy != "loop":
+    one_run = _runs_on_one_axis if plan.merge_runs else _one_run
+    stacked = [one_run(trainer, plan.strategy) for trainer in trainers]
+
     def whole(value, carry, feds, seed, *args):
       def train(clients):
-        return tuple(mapping.map_clients(functools.partial(trainer, value),
-                                         plan.strategy)(*c)
-                     for trainer, c in zip(trainers, clients))
+        return tuple(fn(value, *c) for fn, c in zip(stacked, clients))
       return step(plan, plan.build(value), carry, feds, seed, *args, train=train)
 
     def over_runs(values, carry, feds, seeds, *args):

@@ -70,7 +70,9 @@ class _Grid:
     m = fed.num_samples.shape[1]
     strategy = sharding.strategy(config.strategy, sharded=mesh is not None)
     setup = setups[settings[0], seeds[0]]
-    self.plan = experiment.plan(algorithm, config, setup, m, strategy, swept)
+    self.plan = dataclasses.replace(
+        experiment.plan(algorithm, config, setup, m, strategy, swept),
+        merge_runs=mesh is None)
     for v in values:
       self.plan.build.member(setup.model, v)  # each value's range, on the host
     self.programs = engine.programs(self.plan)
