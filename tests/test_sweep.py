@@ -237,6 +237,17 @@ def _dot_batch_dims(jaxpr):
         yield from _dot_batch_dims(inner)
 
 
+def _scan_lengths(jaxpr):
+  """The lengths of the scans of a jaxpr, nested jaxprs included."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "scan":
+      yield eqn.params["length"]
+    for param in eqn.params.values():
+      inner = getattr(param, "jaxpr", param)
+      if hasattr(inner, "eqns"):
+        yield from _scan_lengths(inner)
+
+
 @pytest.mark.parametrize("strategy", ["vmap", "map"])
 @pytest.mark.parametrize("context_batched", [True, False])
 def test_runs_train_on_one_client_axis(strategy, context_batched):
@@ -261,9 +272,13 @@ def test_runs_train_on_one_client_axis(strategy, context_batched):
     alone = engine._runs_on_one_axis(_linear_trainer, strategy)(values[run], w[run],
                                                                  run_context, x[run])
     chex.assert_trees_all_close(jax.tree.map(lambda a: a[run], got), alone, rtol=1e-6)
+  jaxpr = lambda fn: jax.make_jaxpr(fn)(values, w, context, x).jaxpr
   if strategy == "vmap":
-    dims = lambda fn: set(_dot_batch_dims(jax.make_jaxpr(fn)(values, w, context, x).jaxpr))
-    assert dims(merged) == {1} and dims(nested) == {2}
+    assert set(_dot_batch_dims(jaxpr(merged))) == {1}
+    assert set(_dot_batch_dims(jaxpr(nested))) == {2}
+  else:  # one loop over the clients, S of them (one per run's worth) at a time
+    assert list(_scan_lengths(jaxpr(merged))) == list(_scan_lengths(jaxpr(nested))) == [
+        clients]
 
 
 def test_runs_merge_their_clients_unless_the_clients_are_split_over_devices(setups):

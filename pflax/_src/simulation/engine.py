@@ -847,11 +847,12 @@ def _runs_on_one_axis(trainer: Callable[..., train_lib.ClientResult], strategy: 
 
   The vmap over runs (`_phase`) would otherwise nest around the vmap over
   clients, and XLA-GPU lays out the two batch axes of a vmapped convolution
-  with extra copies: the FedAvg CNN's round of 3 seeds of PFLlib's 20 clients
-  moved 1.21x the bytes per local step of one run of their 60 clients
+  with extra copies: the FedAvg CNN's round of 3 seeds of 20 clients moved
+  1.21x the bytes per local step of one run of their 60 clients
   (docs/performance.md). Merging the axes is a reshape (`_merge_runs`) and
   every client trains alone, so the results are those of the nested vmap;
-  each client takes its run's `value`.
+  each client takes its run's `value`. "map" trains S clients at a time (S
+  runs), as the vmap over runs of each run's one client at a time did.
   """
   train = jax.custom_batching.custom_vmap(_one_run(trainer, strategy))
 
@@ -861,7 +862,7 @@ def _runs_on_one_axis(trainer: Callable[..., train_lib.ClientResult], strategy: 
     value, clients = jax.tree.map(every_run, (value, clients),
                                   (batched[0], tuple(batched[1:])))
     values = jnp.repeat(value, jax.tree.leaves(clients)[0].shape[1])
-    merged = mapping.map_clients(trainer, strategy)(values, *_merge_runs(clients))
+    merged = mapping.map_clients(trainer, strategy, runs)(values, *_merge_runs(clients))
     results = _split_runs(merged, runs)
     return results, jax.tree.map(lambda _: True, results)
   return train
