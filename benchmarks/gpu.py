@@ -29,7 +29,9 @@ run:
                 processes: with `--no-compilation-cache` (no persistent cache,
                 the run's own in a temporary folder), then twice with an empty
                 cache directory of its own (the first run fills it, the second
-                finds it warm).
+                finds it warm); on a GPU, cold once more with XLA-GPU's GEMM and
+                convolution autotuning off (`AUTOTUNING_OFF`), the candidate
+                for the cold target: its share of the compilation.
   leaderboard   `benchmarks/leaderboard.py --slice --json FILE` (PFLlib's
                 algorithms, 3 seeds, 100 rounds, both settings side by side)
                 and its projection of the whole leaderboard at 2,000 rounds;
@@ -357,15 +359,27 @@ def _main_job_args(sizes: Sizes) -> list[str]:
            "--local-epochs", "1"] if sizes.quick else [])
 
 
-def main_job_seconds(sizes: Sizes) -> dict[str, float]:
+AUTOTUNING_OFF = "--xla_gpu_autotune_level=0"
+"""The XLA flag that turns XLA-GPU's GEMM and convolution autotuning off: the
+main job's compile-time candidate, measured on a GPU (`main_job_seconds`)."""
+
+
+def main_job_seconds(sizes: Sizes, backend: str | None = None) -> dict[str, float]:
   """Seconds of the main job cold (`--no-compilation-cache`), filling an empty
-  cache, and with that cache warm: `{"cold", "filling", "warm"}`."""
+  cache, and with that cache warm: `{"cold", "filling", "warm"}`; on a GPU
+  (`backend`, default JAX's) also cold with autotuning off, `"cold, no
+  autotuning"` (`AUTOTUNING_OFF` added to `XLA_FLAGS`)."""
   with tempfile.TemporaryDirectory() as tmp:
     common = [*_main_job_args(sizes), "--no-progress", "--out", os.path.join(tmp, "out")]
     cache = {"PFLAX_CACHE_DIR": os.path.join(tmp, "cache")}
-    return {"cold": _pflax_run([*common, "--no-compilation-cache"], {}),
-            "filling": _pflax_run(common, cache),
-            "warm": _pflax_run(common, cache)}
+    seconds = {"cold": _pflax_run([*common, "--no-compilation-cache"], {}),
+               "filling": _pflax_run(common, cache),
+               "warm": _pflax_run(common, cache)}
+    if (backend or jax.default_backend()) == "gpu":
+      flags = f"{os.environ.get('XLA_FLAGS', '')} {AUTOTUNING_OFF}".strip()
+      seconds["cold, no autotuning"] = _pflax_run([*common, "--no-compilation-cache"],
+                                                  {"XLA_FLAGS": flags})
+    return seconds
 
 
 def main_job_markdown(sizes: Sizes, seconds: dict[str, float]) -> str:
@@ -376,7 +390,10 @@ def main_job_markdown(sizes: Sizes, seconds: dict[str, float]) -> str:
       f"| cold, `--no-compilation-cache` (the run's own temporary cache) "
       f"| {seconds['cold']:.1f} |",
       f"| cold, filling an empty compilation cache | {seconds['filling']:.1f} |",
-      f"| warm compilation cache | {seconds['warm']:.1f} |"])
+      f"| warm compilation cache | {seconds['warm']:.1f} |",
+      *([f"| cold, `--no-compilation-cache`, XLA-GPU's autotuning off (`XLA_FLAGS="
+         f"{AUTOTUNING_OFF}`; the candidate) | {seconds['cold, no autotuning']:.1f} |"]
+        if "cold, no autotuning" in seconds else [])])
 
 
 APART_ALGORITHMS = ("fedavg", "ditto")

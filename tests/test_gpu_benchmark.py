@@ -57,6 +57,27 @@ def test_runs_section_compares_both_layouts_with_one_run_of_all_clients(gpu):
                        "| one run | 1 x 60 | 0.4000 | 1.00x | 1.0 |"]
 
 
+@pytest.mark.parametrize("backend", ["gpu", "cpu"])
+def test_main_job_is_run_cold_without_autotuning_on_a_gpu_only(gpu, monkeypatch, backend):
+  calls = []
+  monkeypatch.setattr(gpu, "_pflax_run", lambda args, env: calls.append((args, env)) or
+                      float(len(calls)))
+  monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+  sizes = gpu.Sizes(quick=True, clients=None)
+  seconds = gpu.main_job_seconds(sizes, backend)
+  table = gpu.main_job_markdown(sizes, seconds)
+  if backend == "cpu":
+    assert seconds == {"cold": 1.0, "filling": 2.0, "warm": 3.0}
+    assert "autotuning" not in table
+    return
+  assert seconds["cold, no autotuning"] == 4.0
+  args, env = calls[-1]
+  assert "--no-compilation-cache" in args
+  assert env == {"XLA_FLAGS": "--xla_dump_to=/tmp/x --xla_gpu_autotune_level=0"}
+  assert table.splitlines()[-1].endswith("autotuning off (`XLA_FLAGS="
+                                         "--xla_gpu_autotune_level=0`; the candidate) | 4.0 |")
+
+
 def test_missing_leaderboard_script_is_reported(gpu, monkeypatch, tmp_path):
   monkeypatch.setattr(gpu, "ROOT", tmp_path)
   sizes = gpu.Sizes(quick=True, clients=None)
