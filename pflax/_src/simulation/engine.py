@@ -842,8 +842,8 @@ def _one_run(trainer: Callable[..., train_lib.ClientResult], strategy: str
 
 def _runs_on_one_axis(trainer: Callable[..., train_lib.ClientResult], strategy: str
                       ) -> Callable[..., train_lib.ClientResult]:
-  """`_one_run(trainer, strategy)`, which, vmapped over runs, trains the runs'
-  clients on one client axis.
+  """`_one_run(trainer, strategy)`, except that, vmapped over runs, it trains
+  the clients of all runs on one client axis.
 
   The vmap over runs (`_phase`) would otherwise nest around the vmap over
   clients, and XLA-GPU lays out the two batch axes of a vmapped convolution
@@ -891,8 +891,8 @@ def _phase(plan: Plan, groups: groups_lib.Groups, epochs: int,
   per_run = lambda fn, extra: jax.vmap(fn, (0, 0, 0, 0) + (None,) * len(extra))
 
   if plan.strategy != "loop":
-    one_run = _runs_on_one_axis if plan.merge_runs else _one_run
-    stacked = [one_run(trainer, plan.strategy) for trainer in trainers]
+    mapped = _runs_on_one_axis if plan.merge_runs else _one_run
+    stacked = [mapped(trainer, plan.strategy) for trainer in trainers]
 
     def whole(value, carry, feds, seed, *args):
       def train(clients):
