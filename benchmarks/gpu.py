@@ -39,13 +39,12 @@ run:
                 the other as before `sweep_settings`, against side by side.
   runs          a round of a sweep of 3 seeds (FedAvg, the CNN, 20 clients of
                 1,000 samples, 750 to train on: 75 steps of B = 10, one epoch,
-                strategy "vmap"): the clients
-                of all runs trained on one client axis (pflax's layout), each
-                run's clients on their own axis inside a vmap over runs (the
-                layout before, and on a mesh), and one run of the S x 20
-                clients (the baseline: the same local steps at once).
-                (More than `train.MAX_FULL_UNROLL` steps: a rolled loop on any
-                backend, as on a GPU.)
+                strategy "vmap"; more steps than `train.MAX_FULL_UNROLL`, so a
+                rolled loop on any backend, as on a GPU): the clients of all
+                runs trained on one client axis (pflax's layout), each run's
+                clients on their own axis inside the vmap over runs (the layout
+                before, and on a mesh), and one run of the 3 x 20 clients (the
+                baseline: the same local steps at once).
   targets       issue 30's targets, each met, not met, or unmeasured and why
                 (a GPU target in a run on a CPU, a section not run).
 
