@@ -212,6 +212,29 @@ def _cache_hits(events: list[str]) -> int:
   return sum(event == "/jax/compilation_cache/cache_hits" for event in events)
 
 
+def test_a_killed_runs_cache_folder_is_removed_by_the_next_run(tmp_path, monkeypatch):
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+  gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                        capture_output=True, text=True, check=True)
+  dead = tmp_path / f"{runtime.RUN_CACHE_PREFIX}{gone.stdout.strip()}-abc"
+  live = tmp_path / f"{runtime.RUN_CACHE_PREFIX}{os.getpid()}-def"
+  other = tmp_path / "pflax-run-jax-cache-notapid"
+  for folder in (dead, live, other):
+    folder.mkdir()
+    (folder / "entry").write_bytes(b"x")
+  configured = jax.config.jax_compilation_cache_dir   # the tests' own (conftest)
+  jax.config.update("jax_compilation_cache_dir", None)
+  try:
+    with runtime.run_compilation_cache():
+      own = jax.config.jax_compilation_cache_dir
+      assert os.path.basename(own).startswith(f"{runtime.RUN_CACHE_PREFIX}{os.getpid()}-")
+      assert not dead.exists() and live.exists() and other.exists()
+  finally:
+    jax.config.update("jax_compilation_cache_dir", configured)
+    jax_cache.reset_cache()
+  assert not os.path.exists(own)
+
+
 def test_a_configured_cache_is_left_as_it_is():
   configured = jax.config.jax_compilation_cache_dir
   assert configured   # the tests' own (conftest)

@@ -42,6 +42,38 @@ def use_compilation_cache() -> None:
   cache_compilations_in(compilation_cache_dir())
 
 
+RUN_CACHE_PREFIX = "pflax-run-jax-cache-"
+"""A run's own cache folder is `<temp dir>/pflax-run-jax-cache-<pid>-<random>`."""
+
+
+def _process_alive(pid: int) -> bool:
+  """Whether a process `pid` exists (one of another user's counts as alive)."""
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
+def remove_stale_run_caches() -> list[str]:
+  """Removes the cache folders of runs whose process is gone (`run_compilation_cache`
+  removes its own when the run ends, but a killed process cannot); returns their
+  names. POSIX only (elsewhere `os.kill(pid, 0)` is no probe): nothing is removed."""
+  if os.name != "posix":
+    return []
+  root = tempfile.gettempdir()
+  stale = []
+  for name in os.listdir(root):
+    pid = name[len(RUN_CACHE_PREFIX):].split("-", 1)[0]
+    if (name.startswith(RUN_CACHE_PREFIX) and pid.isdigit()
+        and not _process_alive(int(pid))):
+      shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+      stale.append(name)
+  return stale
+
+
 @contextlib.contextmanager
 def run_compilation_cache() -> Iterator[None]:
   """JAX's compilation cache in a temporary folder for the duration of the
@@ -51,12 +83,15 @@ def run_compilation_cache() -> Iterator[None]:
   Nothing is read from a persistent cache or kept after the run, but programs
   that are identical byte for byte compile once: in the main job, the client
   training that FedAvg, FedSA and FedReMa share with Local, FedProx's server
-  step and two evaluations (`docs/main-job.md`).
+  step and two evaluations (`docs/main-job.md`). The folders of earlier runs
+  that were killed (SIGKILL, which leaves no chance to clean up) are removed
+  first (`remove_stale_run_caches`).
   """
   if jax.config.jax_compilation_cache_dir:
     yield
     return
-  folder = tempfile.mkdtemp(prefix="pflax-run-jax-cache-")
+  remove_stale_run_caches()
+  folder = tempfile.mkdtemp(prefix=f"{RUN_CACHE_PREFIX}{os.getpid()}-")
   threshold = jax.config.jax_persistent_cache_min_compile_time_secs
   jax_cache.reset_cache()  # a process that compiled before found no cache
   cache_compilations_in(folder)
