@@ -4,6 +4,7 @@ import copy
 import dataclasses
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -216,10 +217,12 @@ def test_a_killed_runs_cache_folder_is_removed_by_the_next_run(tmp_path, monkeyp
   monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
   gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                         capture_output=True, text=True, check=True)
-  dead = tmp_path / f"{runtime.RUN_CACHE_PREFIX}{gone.stdout.strip()}-abc"
-  live = tmp_path / f"{runtime.RUN_CACHE_PREFIX}{os.getpid()}-def"
-  other = tmp_path / "pflax-run-jax-cache-notapid"
-  for folder in (dead, live, other):
+  host = socket.gethostname()
+  dead = tmp_path / f"{runtime.RUN_CACHE_PREFIX}{gone.stdout.strip()}@{host}@abc"
+  live = tmp_path / f"{runtime.RUN_CACHE_PREFIX}{os.getpid()}@{host}@def"
+  elsewhere = tmp_path / f"{runtime.RUN_CACHE_PREFIX}{gone.stdout.strip()}@not-{host}@gh"
+  other = tmp_path / f"{runtime.RUN_CACHE_PREFIX}notapid"
+  for folder in (dead, live, elsewhere, other):
     folder.mkdir()
     (folder / "entry").write_bytes(b"x")
   configured = jax.config.jax_compilation_cache_dir   # the tests' own (conftest)
@@ -227,8 +230,10 @@ def test_a_killed_runs_cache_folder_is_removed_by_the_next_run(tmp_path, monkeyp
   try:
     with runtime.run_compilation_cache():
       own = jax.config.jax_compilation_cache_dir
-      assert os.path.basename(own).startswith(f"{runtime.RUN_CACHE_PREFIX}{os.getpid()}-")
-      assert not dead.exists() and live.exists() and other.exists()
+      assert os.path.basename(own).startswith(
+          f"{runtime.RUN_CACHE_PREFIX}{os.getpid()}@{host}@")
+      assert not dead.exists()
+      assert live.exists() and elsewhere.exists() and other.exists()
   finally:
     jax.config.update("jax_compilation_cache_dir", configured)
     jax_cache.reset_cache()

@@ -5,6 +5,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -43,7 +44,13 @@ def use_compilation_cache() -> None:
 
 
 RUN_CACHE_PREFIX = "pflax-run-jax-cache-"
-"""A run's own cache folder is `<temp dir>/pflax-run-jax-cache-<pid>-<random>`."""
+"""A run's own cache folder is `<temp dir>/pflax-run-jax-cache-<pid>@<host>@<random>`."""
+
+
+def _run_cache_prefix() -> str:
+  """This process's `RUN_CACHE_PREFIX`, its pid and its host (a temporary folder
+  may be shared by several machines or containers, whose pids say nothing here)."""
+  return f"{RUN_CACHE_PREFIX}{os.getpid()}@{socket.gethostname()}@"
 
 
 def _process_alive(pid: int) -> bool:
@@ -52,26 +59,24 @@ def _process_alive(pid: int) -> bool:
     os.kill(pid, 0)
   except ProcessLookupError:
     return False
-  except PermissionError:
-    return True
+  except PermissionError:  # it exists
+    pass
   return True
 
 
-def remove_stale_run_caches() -> list[str]:
+def remove_stale_run_caches() -> None:
   """Removes the cache folders of runs whose process is gone (`run_compilation_cache`
-  removes its own when the run ends, but a killed process cannot); returns their
-  names. POSIX only (elsewhere `os.kill(pid, 0)` is no probe): nothing is removed."""
+  removes its own when the run ends, but a killed process cannot) on this host.
+  POSIX only (elsewhere `os.kill(pid, 0)` is no probe): nothing is removed."""
   if os.name != "posix":
-    return []
+    return
   root = tempfile.gettempdir()
-  stale = []
   for name in os.listdir(root):
-    pid = name[len(RUN_CACHE_PREFIX):].split("-", 1)[0]
-    if (name.startswith(RUN_CACHE_PREFIX) and pid.isdigit()
-        and not _process_alive(int(pid))):
+    fields = name.removeprefix(RUN_CACHE_PREFIX).split("@")
+    if (name.startswith(RUN_CACHE_PREFIX) and len(fields) == 3
+        and fields[1] == socket.gethostname() and fields[0].isdigit()
+        and not _process_alive(int(fields[0]))):
       shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-      stale.append(name)
-  return stale
 
 
 @contextlib.contextmanager
@@ -91,7 +96,7 @@ def run_compilation_cache() -> Iterator[None]:
     yield
     return
   remove_stale_run_caches()
-  folder = tempfile.mkdtemp(prefix=f"{RUN_CACHE_PREFIX}{os.getpid()}-")
+  folder = tempfile.mkdtemp(prefix=_run_cache_prefix())
   threshold = jax.config.jax_persistent_cache_min_compile_time_secs
   jax_cache.reset_cache()  # a process that compiled before found no cache
   cache_compilations_in(folder)
