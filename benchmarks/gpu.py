@@ -1,7 +1,7 @@
-"""One GPU benchmark: local training, aggregators, the main job, a leaderboard slice.
+"""One GPU benchmark: training, aggregators, main job, leaderboard slice, runs.
 
 Writes `benchmarks/results/gpu.md` (or `--out`): the device, its driver, the
-versions of jax, jaxlib, flax and torch, four sections and the targets, every
+versions of jax, jaxlib, flax and torch, five sections and the targets, every
 time measured in this run, every ratio against a baseline measured in the same
 run:
 
