@@ -4,7 +4,6 @@ import dataclasses
 import logging
 
 import chex
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -222,30 +221,17 @@ def test_sharded_loop_strategy_is_rejected():
 
 def _linear_trainer(value, w, context, x):
   """A client's "training": a value-scaled linear map, a dot with the client's weights."""
-  return {"out": value * (x @ w) + (0.0 if context is None else context),
-          "norm": jnp.sum(w * w)}
+  return {"out": value * (x @ w) + context, "norm": jnp.sum(w * w)}
 
 
-def _dot_batch_dims(jaxpr):
-  """The number of batch dimensions of each dot of a jaxpr, nested jaxprs included."""
+def _equations(jaxpr):
+  """The equations of a jaxpr, those of nested jaxprs (scan, pjit, ...) included."""
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "dot_general":
-      yield len(eqn.params["dimension_numbers"][1][0])
+    yield eqn
     for param in eqn.params.values():
       inner = getattr(param, "jaxpr", param)
       if hasattr(inner, "eqns"):
-        yield from _dot_batch_dims(inner)
-
-
-def _scan_lengths(jaxpr):
-  """The lengths of the scans of a jaxpr, nested jaxprs included."""
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "scan":
-      yield eqn.params["length"]
-    for param in eqn.params.values():
-      inner = getattr(param, "jaxpr", param)
-      if hasattr(inner, "eqns"):
-        yield from _scan_lengths(inner)
+        yield from _equations(inner)
 
 
 @pytest.mark.parametrize("strategy", ["vmap", "map"])
@@ -272,13 +258,15 @@ def test_runs_train_on_one_client_axis(strategy, context_batched):
     alone = engine._runs_on_one_axis(_linear_trainer, strategy)(values[run], w[run],
                                                                  run_context, x[run])
     chex.assert_trees_all_close(jax.tree.map(lambda a: a[run], got), alone, rtol=1e-6)
-  jaxpr = lambda fn: jax.make_jaxpr(fn)(values, w, context, x).jaxpr
-  if strategy == "vmap":
-    assert set(_dot_batch_dims(jaxpr(merged))) == {1}
-    assert set(_dot_batch_dims(jaxpr(nested))) == {2}
-  else:  # one loop over the clients, S of them (one per run's worth) at a time
-    assert list(_scan_lengths(jaxpr(merged))) == list(_scan_lengths(jaxpr(nested))) == [
-        clients]
+  equations = lambda fn, name: [eqn for eqn in _equations(
+      jax.make_jaxpr(fn)(values, w, context, x).jaxpr) if eqn.primitive.name == name]
+  if strategy == "vmap":  # the number of batch dimensions of every dot
+    batch_dims = lambda fn: {len(eqn.params["dimension_numbers"][1][0])
+                             for eqn in equations(fn, "dot_general")}
+    assert batch_dims(merged) == {1} and batch_dims(nested) == {2}
+  else:  # one loop over the clients, as many at a time as there are runs
+    loops = lambda fn: [eqn.params["length"] for eqn in equations(fn, "scan")]
+    assert loops(merged) == loops(nested) == [clients]
 
 
 def test_runs_merge_their_clients_unless_the_clients_are_split_over_devices(setups):
