@@ -43,6 +43,7 @@ Usage:
 
 import argparse
 import collections
+import dataclasses
 import importlib.util
 import pathlib
 import re
@@ -226,7 +227,7 @@ def round_programs(algorithm: str, m: int, runs: int | None
   runs, m, config, dataset = gpu.runs_setting(sizes, runs, m)
   out = {}
   for layout, s, clients, merge in gpu.runs_cases(runs, m):
-    grid = gpu.sweep_grid(gpu.dataclasses.replace(config, clients=clients),
+    grid = gpu.sweep_grid(dataclasses.replace(config, clients=clients),
                           list(range(s)), dataset, merge, algorithm)
     args = (grid.values, grid.template(), grid.feds, grid.seeds, jnp.int32(0))
     out[f"{algorithm} {layout} ({s} x {clients})"] = (grid.programs.round, args)

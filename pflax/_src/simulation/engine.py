@@ -821,6 +821,13 @@ def _split_runs(tree: types.Tree, runs: int) -> types.Tree:
   return jax.tree.map(lambda x: x.reshape(runs, -1, *x.shape[1:]), tree)
 
 
+def _clients_of_all_runs(values: chex.Array, clients: types.Tree
+                         ) -> tuple[chex.Array, types.Tree]:
+  """The runs' `(S, C, ...)` clients on one client axis (`_merge_runs`), and
+  each client's run's value, `(S * C,)` from the runs' `values` `(S,)`."""
+  return jnp.repeat(values, jax.tree.leaves(clients)[0].shape[1]), _merge_runs(clients)
+
+
 def _client_trainer(plan: Plan, epochs: int, g: int
                     ) -> Callable[..., train_lib.ClientResult]:
   """One client's local training in group `g`, a function of `(value, *client)`."""
@@ -861,9 +868,9 @@ def _runs_on_one_axis(trainer: Callable[..., train_lib.ClientResult], strategy: 
     every_run = lambda a, b: a if b else jnp.broadcast_to(a, (runs, *jnp.shape(a)))
     value, clients = jax.tree.map(every_run, (value, clients),
                                   (batched[0], tuple(batched[1:])))
-    values = jnp.repeat(value, jax.tree.leaves(clients)[0].shape[1])
-    merged = mapping.map_clients(trainer, strategy, runs)(values, *_merge_runs(clients))
-    results = _split_runs(merged, runs)
+    values, clients = _clients_of_all_runs(value, clients)
+    results = _split_runs(mapping.map_clients(trainer, strategy, runs)(values, *clients),
+                          runs)
     return results, jax.tree.map(lambda _: True, results)
   return train
 
@@ -917,8 +924,8 @@ def _phase(plan: Plan, groups: groups_lib.Groups, epochs: int,
       return (inputs_from_draws(built, carry, feds, draws),
               built.algorithm.client_models(carry.state))
     inputs, starts = jax.vmap(one_run)(values, carry, feds, draws)
-    clients = tuple(_merge_runs(c) for c in inputs.clients)
-    client_values = tuple(jnp.repeat(values, c.x.shape[1]) for c in inputs.clients)
+    client_values, clients = zip(*(_clients_of_all_runs(values, c)
+                                   for c in inputs.clients))
     return inputs._replace(clients=None), starts, clients, client_values
 
   @jax.jit
