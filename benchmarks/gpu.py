@@ -33,10 +33,12 @@ run:
                 convolution autotuning off (`AUTOTUNING_OFF`), the candidate
                 for the cold target: its share of the compilation.
   leaderboard   `benchmarks/leaderboard.py --slice --json FILE` (PFLlib's
-                algorithms, 3 seeds, 100 rounds, both settings side by side)
-                and its projection of the whole leaderboard at 2,000 rounds;
-                then FedAvg's and Ditto's settings apart (`--apart`), one after
-                the other as before `sweep_settings`, against side by side.
+                algorithms, 3 seeds, both settings side by side, 10 rounds:
+                `--leaderboard-rounds`) and its projection of the whole
+                leaderboard at 2,000 rounds; then FedAvg's and Ditto's settings
+                apart (`--apart`), one after the other as before
+                `sweep_settings`, against side by side; then FedAvg and Ditto
+                with `--precision bf16`: accuracy and time against float32.
   runs          a round of a sweep of 3 seeds (FedAvg, the CNN, 20 clients of
                 1,000 samples, 750 to train on: 75 steps of B = 10, one epoch,
                 strategy "vmap"; more steps than `train.MAX_FULL_UNROLL`, so a
@@ -52,8 +54,17 @@ run:
 round of one algorithm on 4 clients) in a minute or two on a CPU: a smoke test,
 which CI runs; its numbers say nothing about a GPU.
 
+The sections run in the order of `--sections`, and the report is written after
+each one, so a run stopped midway keeps what it measured. `--budget SECONDS`
+bounds the whole run: once it is spent, the cases not started are reported as
+not run, a `pflax-run` under way is stopped (the leaderboard slice keeps its
+finished sweeps: SIGINT), and the targets they measure stay unmeasured.
+`benchmarks/gpu_device.sh` runs this within one call of a lent GPU.
+
 Usage:
-  python benchmarks/gpu.py                                # on a GPU, < 8 minutes
+  python benchmarks/gpu.py                                # on a GPU
+  python benchmarks/gpu.py --budget 480                   # at most about 8 minutes
+  python benchmarks/gpu.py --data-dir .fmnist --sections training main leaderboard
   python benchmarks/gpu.py --sections training --clients 20 100
   python benchmarks/gpu.py --quick --out /tmp/gpu_quick.md
   # without a GPU (benchmarks/results/gpu.md, on 2 cores and 24 GB):
@@ -71,6 +82,7 @@ import pathlib
 import platform
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -98,16 +110,48 @@ SECTIONS = ("training", "aggregators", "main", "leaderboard", "runs")
 BASELINE = "plain vmap"
 
 
+LEADERBOARD_ROUNDS = 10
+"""Rounds of the leaderboard section's slice. Its projection needs only steady
+rounds (rounds 2 to R - 1 are timed); `benchmarks/leaderboard.py --slice` runs
+the issue's 100 rounds, whose 16 sweeps alone outlast this benchmark's 8 minutes
+(about 6 minutes on a GPU at the 2-hour target, 20 at the issue's measured pace)."""
+
+
 class Sizes:
-  """Sizes of a run: full (a GPU) or `--quick` (a smoke run on a CPU)."""
+  """Sizes of a run: full (a GPU) or `--quick` (a smoke run on a CPU); where the
+  leaderboard finds Fashion-MNIST's IDX files (`data_dir`, default Debian's)."""
 
   def __init__(self, quick: bool, clients: list[int] | None,
-               aggregator_clients: list[int] | None = None):
+               aggregator_clients: list[int] | None = None,
+               leaderboard_rounds: int = LEADERBOARD_ROUNDS,
+               data_dir: str | None = None):
     self.quick = quick
     self.clients = clients or ([2] if quick else [20, 100, 1000])
     self.samples, self.batch = (8, 4) if quick else (SAMPLES, BATCH)
     self.min_seconds, self.max_rounds = (0.0, 1) if quick else (1.0, 20)
     self.aggregator_clients = aggregator_clients or ([4] if quick else [100, 1000])
+    self.leaderboard_rounds = leaderboard_rounds
+    self.data_dir = data_dir
+
+
+class Budget:
+  """The seconds a run may still take (`--budget`; None: unbounded)."""
+
+  def __init__(self, seconds: float | None = None):
+    self.seconds = seconds
+    self.deadline = None if seconds is None else time.monotonic() + seconds
+
+  def left(self) -> float | None:
+    """Seconds left (at least 0), or None when unbounded."""
+    return None if self.deadline is None else max(self.deadline - time.monotonic(), 0.0)
+
+  def spent(self) -> bool:
+    """Whether no second is left."""
+    return self.left() == 0.0
+
+
+UNBOUNDED = Budget()
+NOT_RUN = "not run: the time budget was spent"
 
 
 def _time_round(run_round: Callable[[], Any], min_seconds: float,
@@ -261,14 +305,18 @@ def training_impls() -> tuple[str, ...]:
 
 
 def training_rows(sizes: Sizes, model_names: tuple[str, ...] = ("cnn", "mlp"),
-                  impls: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
+                  impls: tuple[str, ...] | None = None, budget: Budget = UNBOUNDED
+                  ) -> list[dict[str, Any]]:
   """Rows `{model, M, impl, round, compile}` (round None: not measured, with a
-  `note`)."""
+  `note`: torch missing, or the `budget` spent before the case started)."""
   rows = []
   for model_name in model_names:
     for m in sizes.clients:
       for impl in impls or training_impls():
         row = {"model": model_name, "M": m, "impl": impl}
+        if budget.spent():
+          rows.append({**row, "round": None, "note": NOT_RUN})
+          continue
         run_round = (torch_round(model_name, m, sizes) if impl == "torch"
                      else jax_round(impl, model_name, m, sizes))
         if run_round is None:
@@ -314,15 +362,19 @@ def _load_benchmark(name: str) -> Any:
   return module
 
 
-def aggregator_markdown(sizes: Sizes) -> str:
+def aggregator_markdown(sizes: Sizes, budget: Budget = UNBOUNDED) -> str:
   """Each aggregator's median time against a device-to-device copy of the same
-  stacked parameters (`aggregators.py`'s model and aggregators)."""
+  stacked parameters (`aggregators.py`'s model and aggregators), each M while
+  the `budget` lasts."""
   jax.devices()  # the backend first: aggregators.py's --quick flags must not apply
   agg = _load_benchmark("aggregators")
   model, classes = (agg.TINY, 10) if sizes.quick else (agg.FULL, 10)
   repeats = 3 if sizes.quick else 7
   lines = ["| aggregator | M | ms | / copy |", "|---|---:|---:|---:|"]
   for m in sizes.aggregator_clients:
+    if budget.spent():
+      lines.append(f"| all | {m} | {NOT_RUN} | |")
+      continue
     kp, kc, kk = jax.random.split(jax.random.key(0), 3)
     params, step = jax.jit(lambda k, m=m: agg.stacked_params(k, model, m, classes,
                                                              copies=2))(kp)
@@ -342,12 +394,18 @@ def aggregator_markdown(sizes: Sizes) -> str:
   return "\n".join(lines)
 
 
-def _pflax_run(args: list[str], env: dict[str, str]) -> float:
-  """Seconds of one `pflax-run` in a fresh process."""
+def _pflax_run(args: list[str], env: dict[str, str], timeout: float | None = None
+               ) -> float | None:
+  """Seconds of one `pflax-run` in a fresh process; None when it outlasts
+  `timeout` (it is stopped)."""
   start = time.perf_counter()
-  out = subprocess.run([sys.executable, "-m", "pflax", *args],
-                       capture_output=True, text=True, check=False, cwd=ROOT,
-                       env={**os.environ, "PYTHONPATH": str(ROOT), **env})
+  try:
+    out = subprocess.run([sys.executable, "-m", "pflax", *args],
+                         capture_output=True, text=True, check=False, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+                         timeout=timeout)
+  except subprocess.TimeoutExpired:
+    return None
   if out.returncode != 0:
     raise RuntimeError(f"pflax-run {' '.join(args)} failed:\n{out.stderr[-3000:]}")
   return time.perf_counter() - start
@@ -363,22 +421,28 @@ AUTOTUNING_OFF = "--xla_gpu_autotune_level=0"
 main job's compile-time candidate, measured on a GPU (`main_job_seconds`)."""
 
 
-def main_job_seconds(sizes: Sizes, backend: str | None = None) -> dict[str, float]:
+def main_job_seconds(sizes: Sizes, backend: str | None = None,
+                     budget: Budget = UNBOUNDED) -> dict[str, float | None]:
   """Seconds of the main job cold (`--no-compilation-cache`), filling an empty
   cache, and with that cache warm: `{"cold", "filling", "warm"}`; on a GPU
   (`backend`, default JAX's) also cold with autotuning off, `"cold, no
-  autotuning"` (`AUTOTUNING_OFF` added to `XLA_FLAGS`)."""
+  autotuning"` (`AUTOTUNING_OFF` added to `XLA_FLAGS`). None: not run, or
+  stopped, when the `budget` was spent."""
   with tempfile.TemporaryDirectory() as tmp:
     common = [*_main_job_args(sizes), "--no-progress", "--out", os.path.join(tmp, "out")]
     cache = {"PFLAX_CACHE_DIR": os.path.join(tmp, "cache")}
-    seconds = {"cold": _pflax_run([*common, "--no-compilation-cache"], {}),
-               "filling": _pflax_run(common, cache),
-               "warm": _pflax_run(common, cache)}
+    runs = {"cold": ([*common, "--no-compilation-cache"], {}),
+            "filling": (common, cache), "warm": (common, cache)}
     if (backend or jax.default_backend()) == "gpu":
       flags = f"{os.environ.get('XLA_FLAGS', '')} {AUTOTUNING_OFF}".strip()
-      seconds["cold, no autotuning"] = _pflax_run([*common, "--no-compilation-cache"],
-                                                  {"XLA_FLAGS": flags})
-    return seconds
+      runs["cold, no autotuning"] = ([*common, "--no-compilation-cache"],
+                                     {"XLA_FLAGS": flags})
+    return {name: None if budget.spent() else _pflax_run(args, env, budget.left())
+            for name, (args, env) in runs.items()}
+
+
+def _seconds(value: float | None) -> str:
+  return "not run or stopped: the time budget was spent" if value is None else f"{value:.1f}"
 
 
 def main_job_markdown(sizes: Sizes, seconds: dict[str, float]) -> str:
@@ -387,55 +451,128 @@ def main_job_markdown(sizes: Sizes, seconds: dict[str, float]) -> str:
       f"`pflax-run {shown}`, seconds of the whole process:", "",
       "| run | s |", "|---|---:|",
       f"| cold, `--no-compilation-cache` (the run's own temporary cache) "
-      f"| {seconds['cold']:.1f} |",
-      f"| cold, filling an empty compilation cache | {seconds['filling']:.1f} |",
-      f"| warm compilation cache | {seconds['warm']:.1f} |",
+      f"| {_seconds(seconds['cold'])} |",
+      f"| cold, filling an empty compilation cache | {_seconds(seconds['filling'])} |",
+      f"| warm compilation cache | {_seconds(seconds['warm'])} |",
       *([f"| cold, `--no-compilation-cache`, XLA-GPU's autotuning off (`XLA_FLAGS="
-         f"{AUTOTUNING_OFF}`; the candidate) | {seconds['cold, no autotuning']:.1f} |"]
+         f"{AUTOTUNING_OFF}`; the candidate) | "
+         f"{_seconds(seconds['cold, no autotuning'])} |"]
         if "cold, no autotuning" in seconds else [])])
 
 
 APART_ALGORITHMS = ("fedavg", "ditto")
 """The algorithms whose settings the leaderboard section also runs apart."""
 
+PRECISION_ALGORITHMS = ("fedavg", "ditto")
+"""The algorithms the leaderboard section also runs with `--precision bf16`."""
 
-def _leaderboard_slice(sizes: Sizes, extra: list[str]) -> dict | str:
-  """`benchmarks/leaderboard.py --slice [--quick] extra`'s JSON, or why not."""
+INTERRUPT_GRACE = 60.0
+"""Seconds a leaderboard slice has, once interrupted, to write its finished rows."""
+
+
+def _slice_flags(sizes: Sizes) -> list[str]:
+  """`benchmarks/leaderboard.py --slice`'s flags of the leaderboard section's sizes."""
+  rounds = str(sizes.leaderboard_rounds)
+  return ((["--quick"] if sizes.quick else ["--rounds", rounds, "--eval-every", rounds])
+          + (["--data-dir", sizes.data_dir] if sizes.data_dir else []))
+
+
+def _leaderboard_slice(sizes: Sizes, extra: list[str], budget: Budget = UNBOUNDED
+                       ) -> dict | str:
+  """`benchmarks/leaderboard.py --slice` (`_slice_flags`, then `extra`)'s JSON, or
+  why not. Interrupted (SIGINT) when the `budget` is spent: its JSON then holds
+  the finished rows, `"interrupted": true` and no projection."""
   script = ROOT / "benchmarks" / "leaderboard.py"
   if not script.exists():
     return "leaderboard.py not found: not measured."
+  if budget.spent():
+    return f"{NOT_RUN}."
   with tempfile.TemporaryDirectory() as tmp:
     path = os.path.join(tmp, "slice.json")
-    cmd = [sys.executable, str(script), "--slice", "--json", path, *extra]
-    out = subprocess.run(cmd + (["--quick"] if sizes.quick else []), capture_output=True,
-                         text=True, check=False, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
-    if out.returncode != 0:
-      return f"leaderboard.py failed (exit {out.returncode}):\n\n```\n{out.stderr[-2000:]}\n```"
-    return json.loads(pathlib.Path(path).read_text())
+    cmd = [sys.executable, str(script), "--slice", "--json", path, *_slice_flags(sizes),
+           *extra]
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, cwd=ROOT,
+                               env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+      _, stderr = process.communicate(timeout=budget.left())
+    except subprocess.TimeoutExpired:
+      process.send_signal(signal.SIGINT)
+      try:
+        _, stderr = process.communicate(timeout=INTERRUPT_GRACE)
+      except subprocess.TimeoutExpired:
+        process.kill()
+        _, stderr = process.communicate()
+    if os.path.exists(path):
+      return json.loads(pathlib.Path(path).read_text())
+    return (f"leaderboard.py failed (exit {process.returncode}):\n\n```\n"
+            f"{stderr[-2000:]}\n```")
 
 
-def leaderboard_markdown(sizes: Sizes, result: dict | str) -> str:
+def _finished(result: dict | str) -> str | None:
+  """Why a slice's `result` is not whole (its error, or its interruption), or None."""
+  if isinstance(result, str):
+    return result
+  if result.get("interrupted"):
+    return (f"interrupted when the time budget was spent, after {len(result['rows'])} "
+            "rows")
+  return None
+
+
+def leaderboard_markdown(sizes: Sizes, result: dict | str, budget: Budget = UNBOUNDED
+                         ) -> str:
   """The slice's rows and projection (`result`, `_leaderboard_slice(sizes, [])`),
-  then the settings side by side against apart (`--apart`) for
-  `APART_ALGORITHMS`, or why not."""
+  then, while the `budget` lasts, the settings side by side against apart
+  (`--apart`) for `APART_ALGORITHMS`, and bf16 against float32 for
+  `PRECISION_ALGORITHMS`."""
   if isinstance(result, str):
     return result
   lines = ["| algorithm | setting | s / round (its sweep's) |", "|---|---|---:|"]
   lines += [f"| {r['algorithm']} | {r['setting']} | {r['seconds_per_round']:.3f} |"
             for r in result["rows"]]
+  if _finished(result):
+    return "\n".join(lines + ["", f"Not projected: {_finished(result)}."])
   lines += ["", f"Projected whole leaderboard at 2,000 rounds: "
             f"{result['projected_hours']:.2f} hours."]
-  apart = _leaderboard_slice(sizes, ["--apart", "--algorithms", *APART_ALGORITHMS])
-  if isinstance(apart, str):
-    return "\n".join(lines + ["", apart])
+  return "\n".join(lines + ["", _apart_markdown(sizes, result, budget), "",
+                            _precision_markdown(sizes, result, budget)])
+
+
+def _apart_markdown(sizes: Sizes, result: dict, budget: Budget) -> str:
+  """`APART_ALGORITHMS`' seconds per round of both settings side by side (in
+  `result`) against one after the other."""
+  apart = _leaderboard_slice(sizes, ["--apart", "--algorithms", *APART_ALGORITHMS],
+                             budget)
+  if _finished(apart):
+    return f"Settings apart: {_finished(apart)}."
   compared = lambda rows: [r for r in rows if r["algorithm"] in APART_ALGORITHMS]
   together = leaderboard.sweep_seconds(compared(result["rows"]))
   alone = leaderboard.sweep_seconds(compared(apart["rows"]))
-  lines += ["", f"Both settings side by side in one sweep against one after the "
-            f"other ({', '.join(APART_ALGORITHMS)}): {together:.3f} against "
-            f"{alone:.3f} s per round of both ({alone / together:.2f}x)."]
-  return "\n".join(lines)
+  return (f"Both settings side by side in one sweep against one after the other "
+          f"({', '.join(APART_ALGORITHMS)}): {together:.3f} against {alone:.3f} s per "
+          f"round of both ({alone / together:.2f}x).")
+
+
+def _precision_markdown(sizes: Sizes, result: dict, budget: Budget) -> str:
+  """`PRECISION_ALGORITHMS` with `--precision bf16` against the float32 rows of
+  `result`: best accuracy (mean ± std over the seeds) and seconds per round."""
+  bf16 = _leaderboard_slice(sizes, ["--precision", "bf16", "--algorithms",
+                                    *PRECISION_ALGORITHMS], budget)
+  if _finished(bf16):
+    return f"bf16: {_finished(bf16)}."
+  float32 = {(r["algorithm"], r["setting"]): r for r in result["rows"]}
+  lines = ["| algorithm | setting | accuracy float32 | accuracy bf16 | s / round "
+           "float32 | s / round bf16 |", "|---|---|---:|---:|---:|---:|"]
+  for r in bf16["rows"]:
+    f = float32[(r["algorithm"], r["setting"])]
+    lines.append(f"| {r['algorithm']} | {r['setting']} | {f['accuracy_mean']:.2f} ± "
+                 f"{f['accuracy_std']:.2f} | {r['accuracy_mean']:.2f} ± "
+                 f"{r['accuracy_std']:.2f} | {f['seconds_per_round']:.3f} | "
+                 f"{r['seconds_per_round']:.3f} |")
+  first = bf16["rows"][0]
+  return "\n".join([f"`--precision bf16` against float32, {first['rounds']} rounds, "
+                    f"{first['seeds']} seeds (best personalized accuracy, %):", "",
+                    *lines])
 
 
 RUN_LAYOUTS = {"one client axis": True, "a client axis per run": False}
@@ -483,11 +620,15 @@ def runs_cases(runs: int, m: int) -> list[tuple[str, int, int, bool]]:
           + [("one run", 1, runs * m, True)])
 
 
-def runs_rows(sizes: Sizes) -> list[dict[str, Any]]:
-  """Rows `{layout, runs, M, round, compile}` of the runs section (`runs_cases`)."""
+def runs_rows(sizes: Sizes, budget: Budget = UNBOUNDED) -> list[dict[str, Any]]:
+  """Rows `{layout, runs, M, round, compile}` of the runs section (`runs_cases`),
+  round None for a case the `budget` left no time for."""
   runs, m, config, dataset = runs_setting(sizes)
   rows = []
   for layout, s, clients, merge in runs_cases(runs, m):
+    if budget.spent():
+      rows.append({"layout": layout, "runs": s, "M": clients, "round": None})
+      continue
     grid = sweep_grid(dataclasses.replace(config, clients=clients), list(range(s)),
                       dataset, merge)
     carry = grid.start()
@@ -504,8 +645,13 @@ def runs_markdown(rows: list[dict[str, Any]]) -> str:
   base = next(r["round"] for r in rows if r["runs"] == 1)
   lines = ["| layout | runs x clients | s / round | / one run of all clients | compile s |",
            "|---|---|---:|---:|---:|"]
-  lines += [f"| {r['layout']} | {r['runs']} x {r['M']} | {r['round']:.4f} | "
-            f"{r['round'] / base:.2f}x | {r['compile']:.1f} |" for r in rows]
+  for r in rows:
+    shown = f"| {r['layout']} | {r['runs']} x {r['M']} |"
+    if r["round"] is None:
+      lines.append(f"{shown} {NOT_RUN} | | |")
+      continue
+    ratio = f"{r['round'] / base:.2f}x" if base else ""
+    lines.append(f"{shown} {r['round']:.4f} | {ratio} | {r['compile']:.1f} |")
   return "\n".join(lines)
 
 
@@ -570,7 +716,8 @@ def targets_markdown(backend: str, cores: int, training: list[dict[str, Any]] | 
   if not on_gpu:
     lines.append(no_gpu.format(board))
   elif projected_hours is None:
-    lines.append(f"| {board} | leaderboard section not run or failed | unmeasured |")
+    lines.append(f"| {board} | leaderboard section not run, failed or stopped by the "
+                 "time budget | unmeasured |")
   else:
     lines.append(f"| {board} | {projected_hours:.2f} hours | "
                  f"{_verdict(projected_hours <= LEADERBOARD_HOURS)} |")
@@ -581,6 +728,8 @@ def targets_markdown(backend: str, cores: int, training: list[dict[str, Any]] | 
       lines.append(f"| {job} | this run is on `{backend}` | unmeasured |")
     elif main_job is None:
       lines.append(f"| {job} | main job section not run | unmeasured |")
+    elif main_job["cold"] is None or main_job["filling"] is None:
+      lines.append(f"| {job} | {NOT_RUN} | unmeasured |")
     else:
       judged = on_gpu or cores == 2
       slowest = max(main_job["cold"], main_job["filling"])
@@ -614,10 +763,7 @@ def _versions() -> list[str]:
           f"torch {torch_version}"]
 
 
-def report(sizes: Sizes, sections: tuple[str, ...], command: str | None = None) -> str:
-  """The whole markdown report of the chosen sections (`command`: the command
-  line that ran it, shown under the date)."""
-  started = time.perf_counter()
+def _header(sizes: Sizes, command: str | None) -> list[str]:
   parts = ["# pflax on one device" + (" (--quick: a smoke run)" if sizes.quick else ""),
            "", f"Measured {datetime.date.today().isoformat()}"
            + (f" by `{command}`." if command else "."), "", *_versions()]
@@ -625,60 +771,106 @@ def report(sizes: Sizes, sections: tuple[str, ...], command: str | None = None) 
     parts += ["", "`--quick` runs every section at tiny sizes to check that the "
               "benchmark runs: its numbers measure no target, and on a CPU they say "
               "nothing about a GPU. The GPU numbers are unmeasured here."]
-  rows = main_job = projected_hours = None
-  if "training" in sections:
-    rows = training_rows(sizes)
-    parts += ["", "## Local training",
-              "", f"{sizes.samples} samples per client, batches of {sizes.batch}, one "
-              f"epoch of SGD; samples/s of the median round, ratios against the "
-              f"{BASELINE} of the same model and M.", "",
-              training_markdown(rows, sizes.samples)]
-  if "aggregators" in sections:
-    parts += ["", "## Aggregators against a device-to-device copy", "",
-              aggregator_markdown(sizes)]
-  if "main" in sections:
-    main_job = main_job_seconds(sizes)
-    parts += ["", "## The main job", "", main_job_markdown(sizes, main_job)]
-  if "leaderboard" in sections:
-    result = _leaderboard_slice(sizes, [])
-    projected_hours = result["projected_hours"] if isinstance(result, dict) else None
-    parts += ["", "## PFLlib's leaderboard, a slice", "", leaderboard_markdown(sizes, result)]
-  if "runs" in sections:
-    parts += ["", "## A sweep's runs side by side", "",
-              "FedAvg's round, the CNN, one epoch in batches of "
-              f"{sizes.batch}, strategy \"vmap\"; ratios against one run of all the "
-              "clients.", "", runs_markdown(runs_rows(sizes))]
+  return parts
+
+
+def report(sizes: Sizes, sections: tuple[str, ...], command: str | None = None,
+           budget: Budget = UNBOUNDED, write: Callable[[str], None] | None = None
+           ) -> str:
+  """The whole markdown report of the chosen sections, in their order
+  (`command`: the command line that ran it, shown under the date), each while
+  the `budget` lasts; `write` gets the report so far after each section."""
+  started = time.perf_counter()
+  parts = _header(sizes, command)
+  measured: dict[str, Any] = {}
+
+  def section(title: str, body: Callable[[], str]) -> None:
+    begun = time.perf_counter()
+    text = body()
+    parts.extend(["", f"## {title}", "", text, "",
+                  f"(this section: {time.perf_counter() - begun:.0f} s)"])
+    if write:
+      write("\n".join(parts) + "\n")
+
+  def training() -> str:
+    measured["training"] = training_rows(sizes, budget=budget)
+    return (f"{sizes.samples} samples per client, batches of {sizes.batch}, one epoch "
+            f"of SGD; samples/s of the median round, ratios against the {BASELINE} of "
+            f"the same model and M.\n\n"
+            + training_markdown(measured["training"], sizes.samples))
+
+  def main_job() -> str:
+    measured["main"] = main_job_seconds(sizes, budget=budget)
+    return main_job_markdown(sizes, measured["main"])
+
+  def board() -> str:
+    result = _leaderboard_slice(sizes, [], budget)
+    if isinstance(result, dict):
+      measured["projected_hours"] = result["projected_hours"]
+    return leaderboard_markdown(sizes, result, budget)
+
+  def runs() -> str:
+    return ("FedAvg's round, the CNN, one epoch in batches of "
+            f"{sizes.batch}, strategy \"vmap\"; ratios against one run of all the "
+            "clients.\n\n" + runs_markdown(runs_rows(sizes, budget)))
+
+  bodies = {"training": ("Local training", training),
+            "aggregators": ("Aggregators against a device-to-device copy",
+                            lambda: aggregator_markdown(sizes, budget)),
+            "main": ("The main job", main_job),
+            "leaderboard": ("PFLlib's leaderboard, a slice", board),
+            "runs": ("A sweep's runs side by side", runs)}
+  for name in sections:
+    section(*bodies[name])
   parts += ["", "## Issue 30's targets", ""]
   parts += (["`--quick` measures no target."] if sizes.quick else [
-      targets_markdown(jax.default_backend(), train.default_threads(), rows,
-                       main_job, projected_hours)])
-  parts += ["", f"The whole benchmark took {time.perf_counter() - started:.0f} s."]
-  return "\n".join(parts) + "\n"
+      targets_markdown(jax.default_backend(), train.default_threads(),
+                       measured.get("training"), measured.get("main"),
+                       measured.get("projected_hours"))])
+  parts += ["", f"The whole benchmark took {time.perf_counter() - started:.0f} s"
+            + ("." if budget.deadline is None else
+               f", within a budget of {budget.seconds:.0f} s.")]
+  text = "\n".join(parts) + "\n"
+  if write:
+    write(text)
+  return text
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true",
                       help="tiny sizes, about a minute on a CPU (a smoke run)")
-  parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
+  parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS,
+                      help="the sections to run, in this order")
   parser.add_argument("--clients", type=int, nargs="+", default=None,
                       help="M of the training section (default: 20 100 1000)")
   parser.add_argument("--aggregator-clients", type=int, nargs="+", default=None,
                       help="M of the aggregators section (default: 100 1000; 1,000 "
                       "stacked CIFAR CNNs need about 28 GB)")
+  parser.add_argument("--leaderboard-rounds", type=int, default=LEADERBOARD_ROUNDS,
+                      help=f"rounds of the leaderboard slice (default "
+                      f"{LEADERBOARD_ROUNDS}; the issue's slice: 100)")
+  parser.add_argument("--data-dir", default=None,
+                      help="a folder of Fashion-MNIST's IDX files for the leaderboard "
+                      "(default: Debian's dataset-fashion-mnist)")
+  parser.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                      help="stop starting work after this many seconds; what is not "
+                      "run is reported as such (default: no limit)")
   parser.add_argument("--out", default=None,
-                      help="the markdown file to write (default: benchmarks/results/"
-                      "gpu.md, with --quick gpu_quick_cpu.md)")
+                      help="the markdown file to write, after each section (default: "
+                      "benchmarks/results/gpu.md, with --quick gpu_quick_cpu.md)")
   args = parser.parse_args()
   if args.out is None:
     args.out = ROOT / "benchmarks" / "results" / ("gpu_quick_cpu.md" if args.quick
                                                   else "gpu.md")
-  text = report(Sizes(args.quick, args.clients, args.aggregator_clients),
-                tuple(args.sections), shlex.join(["python", "benchmarks/gpu.py",
-                                                  *sys.argv[1:]]))
+  out = pathlib.Path(args.out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  sizes = Sizes(args.quick, args.clients, args.aggregator_clients,
+                args.leaderboard_rounds, args.data_dir)
+  text = report(sizes, tuple(args.sections),
+                shlex.join(["python", "benchmarks/gpu.py", *sys.argv[1:]]),
+                Budget(args.budget), out.write_text)
   print(text)
-  pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-  pathlib.Path(args.out).write_text(text)
 
 
 if __name__ == "__main__":

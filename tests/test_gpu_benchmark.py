@@ -1,7 +1,12 @@
-"""benchmarks/gpu.py: its training section runs (tiny) and reports ratios."""
+"""benchmarks/gpu.py: its training section runs (tiny) and reports ratios; its
+time budget stops what it has no time for; benchmarks/gpu_device.sh runs it."""
 
 import importlib.util
+import os
 import pathlib
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -60,8 +65,8 @@ def test_runs_section_compares_both_layouts_with_one_run_of_all_clients(gpu):
 @pytest.mark.parametrize("backend", ["gpu", "cpu"])
 def test_main_job_is_run_cold_without_autotuning_on_a_gpu_only(gpu, monkeypatch, backend):
   calls = []
-  monkeypatch.setattr(gpu, "_pflax_run", lambda args, env: calls.append((args, env)) or
-                      float(len(calls)))
+  monkeypatch.setattr(gpu, "_pflax_run", lambda args, env, timeout: calls.append(
+      (args, env)) or float(len(calls)))
   monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
   sizes = gpu.Sizes(quick=True, clients=None)
   seconds = gpu.main_job_seconds(sizes, backend)
@@ -99,15 +104,119 @@ def test_the_leaderboard_section_compares_settings_side_by_side_and_apart(
       row("fedavg", "dirichlet", 0.4, ["dirichlet"]),
       row("ditto", "pathological", 0.8, ["pathological"]),
       row("ditto", "dirichlet", 0.8, ["dirichlet"])]}
+  for r in together["rows"]:
+    r.update(accuracy_mean=80.0, accuracy_std=1.0)
+  bf16 = {"projected_hours": 1.0, "rows": [
+      {**row(a, s, 0.4, both), "accuracy_mean": 79.5, "accuracy_std": 2.0,
+       "rounds": 10, "seeds": 3} for a in ("fedavg", "ditto") for s in both]}
   calls = []
-  monkeypatch.setattr(gpu, "_leaderboard_slice",
-                      lambda sizes, extra: calls.append(extra) or apart)
+  monkeypatch.setattr(gpu, "_leaderboard_slice", lambda sizes, extra, budget: calls.append(
+      extra) or (apart if "--apart" in extra else bf16))
   text = gpu.leaderboard_markdown(gpu.Sizes(quick=True, clients=None), together)
-  assert calls == [["--apart", "--algorithms", "fedavg", "ditto"]]
+  assert calls == [["--apart", "--algorithms", "fedavg", "ditto"],
+                   ["--precision", "bf16", "--algorithms", "fedavg", "ditto"]]
   assert "| ditto | dirichlet | 1.000 |" in text
   assert "Projected whole leaderboard at 2,000 rounds: 1.50 hours." in text
   # Each sweep once: 0.5 + 1.0 side by side, 0.4 * 2 + 0.8 * 2 apart.
-  assert text.endswith("1.500 against 2.400 s per round of both (1.60x).")
+  assert "1.500 against 2.400 s per round of both (1.60x)." in text
+  assert "`--precision bf16` against float32, 10 rounds, 3 seeds" in text
+  assert text.endswith("| ditto | dirichlet | 80.00 ± 1.00 | 79.50 ± 2.00 | 1.000 | 0.400 |")
+
+
+def test_an_interrupted_slice_is_shown_without_a_projection_or_comparisons(
+    gpu, monkeypatch):
+  cut = {"projected_hours": None, "interrupted": True, "rows": [
+      {"algorithm": "fedavg", "setting": "pathological", "seconds_per_round": 0.5}]}
+  monkeypatch.setattr(gpu, "_leaderboard_slice", lambda *args: pytest.fail("ran"))
+  text = gpu.leaderboard_markdown(gpu.Sizes(quick=True, clients=None), cut)
+  assert text.endswith("| fedavg | pathological | 0.500 |\n\nNot projected: interrupted "
+                       "when the time budget was spent, after 1 rows.")
+
+
+def test_the_slice_runs_the_sections_rounds_on_the_data_given(gpu):
+  sizes = gpu.Sizes(quick=False, clients=None, leaderboard_rounds=12, data_dir="/d")
+  assert gpu._slice_flags(sizes) == ["--rounds", "12", "--eval-every", "12",
+                                     "--data-dir", "/d"]
+  assert gpu._slice_flags(gpu.Sizes(quick=True, clients=None)) == ["--quick"]
+
+
+def _fake_leaderboard_script(root, seconds):
+  """A `benchmarks/leaderboard.py` under `root` that writes one row to --json,
+  then sleeps `seconds` and writes it as whole, or on SIGINT as interrupted."""
+  script = root / "benchmarks" / "leaderboard.py"
+  script.parent.mkdir(parents=True)
+  script.write_text(textwrap.dedent(f"""
+      import json, signal, sys, time
+      signal.signal(signal.SIGINT, signal.default_int_handler)
+      path = sys.argv[sys.argv.index("--json") + 1]
+      row = {{"algorithm": "fedavg", "setting": "pathological", "seconds_per_round": 0.5}}
+      def write(interrupted):
+        with open(path, "w") as f:
+          json.dump({{"rows": [row], "interrupted": interrupted,
+                     "projected_hours": None if interrupted else 1.0}}, f)
+      try:
+        time.sleep({seconds})
+      except KeyboardInterrupt:
+        write(True)
+        raise
+      write(False)
+      """))
+
+
+def test_a_slice_past_the_budget_is_interrupted_and_keeps_its_rows(
+    gpu, monkeypatch, tmp_path):
+  _fake_leaderboard_script(tmp_path, seconds=60)
+  monkeypatch.setattr(gpu, "ROOT", tmp_path)
+  sizes = gpu.Sizes(quick=True, clients=None)
+  result = gpu._leaderboard_slice(sizes, [], gpu.Budget(1.0))
+  assert result["interrupted"] and len(result["rows"]) == 1
+  assert gpu._leaderboard_slice(sizes, [], gpu.Budget(0.0)) == f"{gpu.NOT_RUN}."
+
+
+def test_a_slice_within_the_budget_is_whole(gpu, monkeypatch, tmp_path):
+  _fake_leaderboard_script(tmp_path, seconds=0)
+  monkeypatch.setattr(gpu, "ROOT", tmp_path)
+  result = gpu._leaderboard_slice(gpu.Sizes(quick=True, clients=None), [],
+                                  gpu.Budget(60.0))
+  assert not result["interrupted"] and result["projected_hours"] == 1.0
+
+
+def test_a_spent_budget_runs_nothing_and_says_so(gpu, monkeypatch):
+  spent, sizes = gpu.Budget(0.0), gpu.Sizes(quick=True, clients=None)
+  monkeypatch.setattr(gpu, "_pflax_run", lambda *args: pytest.fail("ran"))
+  monkeypatch.setattr(gpu, "jax_round", lambda *args: pytest.fail("ran"))
+  rows = gpu.training_rows(sizes, model_names=("mlp",), impls=(gpu.BASELINE,),
+                           budget=spent)
+  assert rows == [{"model": "mlp", "M": 2, "impl": gpu.BASELINE, "round": None,
+                   "note": gpu.NOT_RUN}]
+  assert f"| mlp | 2 | plain vmap | {gpu.NOT_RUN} |" in gpu.training_markdown(rows, 8)
+  seconds = gpu.main_job_seconds(sizes, "gpu", spent)
+  assert seconds == dict.fromkeys(["cold", "filling", "warm", "cold, no autotuning"])
+  assert "the time budget was spent" in gpu.main_job_markdown(sizes, seconds)
+  job = _verdicts(gpu.targets_markdown("gpu", 16, None, seconds, None))
+  assert job["the main job cold in 25 s at most (a GPU)"] == "unmeasured"
+  assert gpu.aggregator_markdown(sizes, spent).endswith(f"| all | 4 | {gpu.NOT_RUN} | |")
+  runs = gpu.runs_rows(sizes, spent)
+  assert [r["round"] for r in runs] == [None] * 3
+  assert gpu.runs_markdown(runs).count(gpu.NOT_RUN) == 3
+  assert gpu.Budget().left() is None and not gpu.Budget().spent()
+
+
+def test_the_report_follows_the_sections_order_and_is_written_after_each(
+    gpu, monkeypatch):
+  monkeypatch.setattr(gpu, "main_job_seconds", lambda sizes, budget: {
+      "cold": 1.0, "filling": 2.0, "warm": 0.5})
+  monkeypatch.setattr(gpu, "runs_rows", lambda sizes, budget: [
+      {"layout": "one run", "runs": 1, "M": 4, "round": 0.1, "compile": 1.0}])
+  written = []
+  text = gpu.report(gpu.Sizes(quick=True, clients=None), ("runs", "main"),
+                    budget=gpu.Budget(600.0), write=written.append)
+  titles = [line for line in text.splitlines() if line.startswith("## ")]
+  assert titles == ["## A sweep's runs side by side", "## The main job",
+                    "## Issue 30's targets"]
+  assert len(written) == 3 and written[-1] == text
+  assert "## A sweep's runs" in written[0] and "## The main job" not in written[0]
+  assert text.rstrip().endswith("within a budget of 600 s.")
 
 
 def _rounds(gpu, slowdown, fall=1.0):
@@ -162,3 +271,19 @@ def test_trainer_targets_need_every_m(gpu):
   text = gpu.targets_markdown("gpu", 16, rows, None, None)
   assert "not every M of (20, 100, 1000) measured" in text
   assert set(_verdicts(text).values()) == {"unmeasured"}
+
+
+@pytest.mark.slow  # about 90 s: three pflax-run processes and six compilations
+def test_the_device_script_writes_every_file_into_out(tmp_path):
+  out = tmp_path / "out"
+  env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable,
+         "TRAINER_HLO_CLIENTS": "2", "GPU_BUDGET": "400"}
+  subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_device.sh"), "--quick",
+                  "--sections", "main"], env=env, check=True, timeout=600)
+  assert sorted(p.name for p in out.iterdir()) == [
+      "gpu.md", "gpu_device.log", "hlo.tgz", "trainer_hlo.md", "trainer_hlo_rounds.md"]
+  assert "## The main job" in (out / "gpu.md").read_text()
+  assert "| cnn | 2 | plain vmap |" in (out / "trainer_hlo.md").read_text()
+  assert "| ditto round | 20 |" in (out / "trainer_hlo_rounds.md").read_text()
+  log = (out / "gpu_device.log").read_text()
+  assert "gpu.py: exit 0" in log and "trainer_hlo.py --round: exit 0" in log

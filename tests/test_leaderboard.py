@@ -176,6 +176,31 @@ def test_the_script_asks_pflax_run_for_its_sizes():
   assert flags(slice=True, quick=True, rounds=4, algorithms=["fedavg"]) == [
       *BOARD, "--no-progress", "--rounds", "4", "--eval-every", "3",
       "--samples-per-client", "30", "--algorithms", "fedavg"]
+  assert flags(precision="bf16", data_dir="/data/fmnist") == [
+      *BOARD, "--no-progress", "--precision", "bf16", "--data-dir", "/data/fmnist"]
+  parsed = script.parser.parser().parse_args(flags(precision="bf16", data_dir="/d"))
+  assert (parsed.precision, parsed.data_dir) == ("bf16", "/d")
+
+
+def test_an_interrupted_script_writes_its_finished_rows_without_a_projection(
+    monkeypatch, tmp_path):
+  script = _script()
+  row = {"algorithm": "fedavg", "setting": "pathological", "seeds": 3, "rounds": 100,
+         "seconds_per_round": 0.5, "sweep": ["pathological", "dirichlet"],
+         "accuracy_mean": 90.0, "accuracy_std": 1.0, "published": 80.41}
+
+  def interrupted(flags, apart, rows):
+    rows.append(row)
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(script, "rows_of", interrupted)
+  report = tmp_path / "slice.json"
+  with pytest.raises(KeyboardInterrupt):
+    script.main(["--slice", "--json", str(report), "--out", str(tmp_path / "t.md")])
+  written = json.loads(report.read_text())
+  assert written["interrupted"] and written["projected_hours"] is None
+  assert written["rows"] == [row]
+  assert "not projected: interrupted" in (tmp_path / "t.md").read_text()
 
 
 @pytest.mark.slow

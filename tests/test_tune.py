@@ -25,8 +25,10 @@ CONFIG = simulate.ExperimentConfig(
 MODEL = models.MLP(10, hidden=(16,))
 
 # Every keyword of `tune.DIFFERENTIABLE` of these algorithms is checked
-# (FedClassAvg with Adam, its default optimizer, without its warm-up).
-CHECKED = ("fedprox", "cwfedavg", "feddwa", "fedrema", "fedclassavg")
+# (FedClassAvg with Adam, its default optimizer, without its warm-up). FedProx's
+# check runs by default; the others (10-17 s each on two cores) in the slow pass.
+CHECKED = ("fedprox", *(pytest.param(name, marks=pytest.mark.slow) for name in (
+    "cwfedavg", "feddwa", "fedrema", "fedclassavg")))
 NO_WARMUP = {"fedclassavg": {"warmup_epochs": 0}}
 
 
@@ -61,6 +63,7 @@ def test_hypergradient_matches_central_differences(setup, name):
       np.testing.assert_allclose(float(grads[key]), float(fd), rtol=5e-5, err_msg=key)
 
 
+@pytest.mark.slow  # 22-26 s on two cores
 def test_result_does_not_depend_on_the_client_mapping(setup):
   with jax.enable_x64(True):
     by_strategy = {}
