@@ -42,21 +42,22 @@ for_the_rest() {
   local name=$1 file=$2
   shift 2
   if [ "$(left)" -le 10 ]; then
-    echo "$name: not run, the budget was spent" >>"$log"
+    echo "$name: not run, the budget was spent" | tee -a "$log"
     return
   fi
   timeout "$(left)" "$@" >"$file" 2>>"$log"
-  echo "$name: exit $?, at $SECONDS s" >>"$log"
+  echo "$name: exit $?, at $SECONDS s" | tee -a "$log"
 }
 
 { nvidia-smi || true; "$python" -c 'import jax; print(jax.__version__, jax.devices())'; } \
   >"$log" 2>&1
 # gpu.py stops starting work at 80% of the budget; a case under way may run on
 # (a compilation, a round), and trainer_hlo.py gets what remains.
+# Its output goes to the log and to the call's output too.
 "$python" benchmarks/gpu.py --budget $((budget * 4 / 5)) "${data[@]}" \
   --sections training main leaderboard runs aggregators --out "$out/gpu.md" "$@" \
-  >>"$log" 2>&1
-echo "gpu.py: exit $?, at $SECONDS s" >>"$log"
+  2>&1 | tee -a "$log"
+echo "gpu.py: exit ${PIPESTATUS[0]}, at $SECONDS s" | tee -a "$log"
 # shellcheck disable=SC2086  # the clients are several words
 for_the_rest trainer_hlo.py "$out/trainer_hlo.md" "$python" benchmarks/trainer_hlo.py \
   --clients $clients --dump "$hlo"
