@@ -509,7 +509,7 @@ def _leaderboard_slice(sizes: Sizes, extra: list[str], budget: Budget = UNBOUNDE
             f"{stderr[-2000:]}\n```")
 
 
-def _finished(result: dict | str) -> str | None:
+def _why_unfinished(result: dict | str) -> str | None:
   """Why a slice's `result` is not whole (its error, or its interruption), or None."""
   if isinstance(result, str):
     return result
@@ -530,8 +530,9 @@ def leaderboard_markdown(sizes: Sizes, result: dict | str, budget: Budget = UNBO
   lines = ["| algorithm | setting | s / round (its sweep's) |", "|---|---|---:|"]
   lines += [f"| {r['algorithm']} | {r['setting']} | {r['seconds_per_round']:.3f} |"
             for r in result["rows"]]
-  if _finished(result):
-    return "\n".join(lines + ["", f"Not projected: {_finished(result)}."])
+  unfinished = _why_unfinished(result)
+  if unfinished:
+    return "\n".join(lines + ["", f"Not projected: {unfinished}."])
   lines += ["", f"Projected whole leaderboard at 2,000 rounds: "
             f"{result['projected_hours']:.2f} hours."]
   return "\n".join(lines + ["", _apart_markdown(sizes, result, budget), "",
@@ -543,8 +544,9 @@ def _apart_markdown(sizes: Sizes, result: dict, budget: Budget) -> str:
   `result`) against one after the other."""
   apart = _leaderboard_slice(sizes, ["--apart", "--algorithms", *APART_ALGORITHMS],
                              budget)
-  if _finished(apart):
-    return f"Settings apart: {_finished(apart)}."
+  unfinished = _why_unfinished(apart)
+  if unfinished:
+    return f"Settings apart: {unfinished}."
   compared = lambda rows: [r for r in rows if r["algorithm"] in APART_ALGORITHMS]
   together = leaderboard.sweep_seconds(compared(result["rows"]))
   alone = leaderboard.sweep_seconds(compared(apart["rows"]))
@@ -558,8 +560,9 @@ def _precision_markdown(sizes: Sizes, result: dict, budget: Budget) -> str:
   `result`: best accuracy (mean ± std over the seeds) and seconds per round."""
   bf16 = _leaderboard_slice(sizes, ["--precision", "bf16", "--algorithms",
                                     *PRECISION_ALGORITHMS], budget)
-  if _finished(bf16):
-    return f"bf16: {_finished(bf16)}."
+  unfinished = _why_unfinished(bf16)
+  if unfinished:
+    return f"bf16: {unfinished}."
   float32 = {(r["algorithm"], r["setting"]): r for r in result["rows"]}
   lines = ["| algorithm | setting | accuracy float32 | accuracy bf16 | s / round "
            "float32 | s / round bf16 |", "|---|---|---:|---:|---:|---:|"]
@@ -828,7 +831,7 @@ def report(sizes: Sizes, sections: tuple[str, ...], command: str | None = None,
                        measured.get("training"), measured.get("main"),
                        measured.get("projected_hours"))])
   parts += ["", f"The whole benchmark took {time.perf_counter() - started:.0f} s"
-            + ("." if budget.deadline is None else
+            + ("." if budget.seconds is None else
                f", within a budget of {budget.seconds:.0f} s.")]
   text = "\n".join(parts) + "\n"
   if write:
